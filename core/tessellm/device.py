@@ -1,0 +1,220 @@
+"""The device contract: what a device plugin supplies to the hardware-neutral core.
+
+A device plugin owns one kind of device. The core asks it for an allocator (device memory, with
+accounting: the KV pool, weights and persistent activation buffers come from it), a host
+allocator (pinned where the device has pinned memory), transfer streams with events, memory
+info, synchronize, and its kernels. The core never touches a device library directly.
+
+Ordering rule: a tensor written by `TransferStream.copy` must not be read until the returned
+event has completed (`Event.wait()`); on devices whose streams are synchronous the event is
+already complete.
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tessellm.errors import DeviceUnavailableError
+
+if TYPE_CHECKING:
+    from tessellm.kernels.registry import Kernel
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryInfo:
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class Availability:
+    available: bool
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class AllocatorStats:
+    capacity_bytes: int
+    allocated_bytes: int
+    peak_bytes: int
+    by_tag: dict[str, int]
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class DeviceAllocator:
+    """Device memory with accounting.
+
+    Invariant: allocated_bytes == sum of the sizes of live allocations, each counted under the
+    tag it was allocated with, and never exceeds capacity_bytes (an allocation that would is
+    refused with DeviceUnavailableError naming the tag and the sizes).
+    This base allocates with torch on `torch_device`; plugins with their own memory subclass it.
+    """
+
+    def __init__(self, torch_device: str | torch.device, capacity_bytes: int) -> None:
+        self.torch_device = torch.device(torch_device)
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[str, int]] = {}
+        self._allocated = 0
+        self._peak = 0
+
+    def _raw_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, tag: str) -> torch.Tensor:
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        self._reserve(nbytes, tag)
+        t = self._raw_empty(tuple(shape), dtype)
+        self._register(t, tag, nbytes)
+        return t
+
+    def adopt(self, tensor: torch.Tensor, tag: str) -> torch.Tensor:
+        """Account for a tensor that already lives in this device's memory (zero copy)."""
+        nbytes = tensor_nbytes(tensor)
+        self._reserve(nbytes, tag)
+        self._register(tensor, tag, nbytes)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            tag, nbytes = self._live.pop(id(tensor))
+            self._allocated -= nbytes
+
+    def _reserve(self, nbytes: int, tag: str) -> None:
+        with self._lock:
+            if self._allocated + nbytes > self.capacity_bytes:
+                raise DeviceUnavailableError(
+                    f"out of device memory allocating {nbytes} bytes for {tag!r}: "
+                    f"{self._allocated} of {self.capacity_bytes} bytes already allocated")
+            self._allocated += nbytes
+            self._peak = max(self._peak, self._allocated)
+
+    def _register(self, t: torch.Tensor, tag: str, nbytes: int) -> None:
+        with self._lock:
+            self._live[id(t)] = (tag, nbytes)
+
+    def stats(self) -> AllocatorStats:
+        with self._lock:
+            by_tag: dict[str, int] = {}
+            for tag, nbytes in self._live.values():
+                by_tag[tag] = by_tag.get(tag, 0) + nbytes
+            return AllocatorStats(self.capacity_bytes, self._allocated, self._peak, by_tag)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._allocated
+
+
+class HostAllocator:
+    """Host buffers used for transfers (pinned where the device supports it)."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.pin_memory = pin_memory
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+
+
+class Event(ABC):
+    """Marks a point in a transfer stream. `wait()` blocks the host until it has passed."""
+
+    @abstractmethod
+    def wait(self) -> None: ...
+
+    @abstractmethod
+    def query(self) -> bool:
+        """True once every operation before the event has completed."""
+
+
+class CompletedEvent(Event):
+    """The event of a synchronous stream: always complete."""
+
+    def wait(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class TransferStream(ABC):
+    """An ordered queue of copies between host and device memory."""
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Enqueue dst.copy_(src); `dst` may not be read (nor `src` written) before the event."""
+
+    @abstractmethod
+    def record_event(self) -> Event:
+        """An event that completes after everything enqueued so far."""
+
+    def synchronize(self) -> None:
+        self.record_event().wait()
+
+
+class SynchronousStream(TransferStream):
+    """A stream whose copies complete before `copy` returns (CPU)."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        dst.copy_(src)
+        return CompletedEvent()
+
+    def record_event(self) -> Event:
+        return CompletedEvent()
+
+
+class DevicePlugin(ABC):
+    """One kind of device. Subclasses set the class attributes and implement the methods.
+
+    `priority` orders plugins for `device="auto"` (highest available wins).
+    """
+
+    name: str
+    torch_device_type: str
+    priority: int = 0
+    distributed_backend: str = "gloo"
+    version: str = "0"
+
+    @abstractmethod
+    def is_available(self) -> Availability: ...
+
+    @abstractmethod
+    def memory_info(self) -> MemoryInfo: ...
+
+    def synchronize(self) -> None:
+        return None
+
+    @abstractmethod
+    def allocator(self) -> DeviceAllocator:
+        """The device allocator; the same object on every call."""
+
+    def host_allocator(self) -> HostAllocator:
+        return HostAllocator(pin_memory=False)
+
+    @abstractmethod
+    def new_stream(self) -> TransferStream: ...
+
+    def kernels(self) -> list["Kernel"]:
+        """Kernels this device offers; more may come from other plugins' `tessellm_kernels`."""
+        return []
+
+    def upload(self, host: torch.Tensor, tag: str) -> torch.Tensor:
+        """A device copy of a host tensor (weights), allocated from the device allocator."""
+        dst = self.allocator().allocate(host.shape, host.dtype, tag)
+        self.new_stream().copy(dst, host).wait()
+        return dst
+
+    def compile(self, plan: Any, shape_key: Any) -> Any:
+        """Optional per-shape compilation of an execution plan; the default runs it as is."""
+        return plan
+
+    def require_available(self) -> None:
+        a = self.is_available()
+        if not a.available:
+            raise DeviceUnavailableError(f"device {self.name!r} is not available: {a.reason}")

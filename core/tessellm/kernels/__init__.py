@@ -1,0 +1,1 @@
+"""Ops, their reference implementations, the kernel registry and the runtime profiler."""

@@ -1,0 +1,67 @@
+"""What attention kernels need to read and write the paged KV cache for one step.
+
+Batch layout: the step's sequences are ordered decodes first (one query token each), then
+prefills (one or more query tokens: a prompt chunk, or a recomputation). Tokens are flattened
+in that order. For sequence i, its query tokens are rows query_start_loc[i]:query_start_loc[i+1]
+and they sit at positions seq_lens[i] - query_len .. seq_lens[i]-1 of the sequence; its KV lives
+in blocks block_tables[i, :ceil(seq_lens[i] / block_size)]. Slot s is row s % block_size of
+block s // block_size.
+
+KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+The host-side lists mirror the tensors so that kernels that loop per sequence need no
+device-to-host sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor       # [num_tokens] int64
+    block_tables: torch.Tensor       # [num_seqs, max_blocks] int32 (padding: 0)
+    seq_lens: torch.Tensor           # [num_seqs] int32
+    query_start_loc: torch.Tensor    # [num_seqs + 1] int32
+    seq_lens_host: list[int]
+    query_lens_host: list[int]
+    max_seq_len: int
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + self.num_prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    def prefill_part(self) -> "AttentionMetadata":
+        """The metadata of the prefill sequences alone (token rows re-based at 0)."""
+        d = self.num_decodes
+        qsl = self.query_start_loc[d:] - self.num_decode_tokens
+        return AttentionMetadata(
+            num_decodes=0, num_prefills=self.num_prefills, num_decode_tokens=0,
+            num_prefill_tokens=self.num_prefill_tokens, block_size=self.block_size,
+            slot_mapping=self.slot_mapping[self.num_decode_tokens:],
+            block_tables=self.block_tables[d:], seq_lens=self.seq_lens[d:],
+            query_start_loc=qsl, seq_lens_host=self.seq_lens_host[d:],
+            query_lens_host=self.query_lens_host[d:],
+            max_seq_len=max(self.seq_lens_host[d:], default=0),
+            max_query_len=max(self.query_lens_host[d:], default=0))
+
+    def decode_part(self) -> "AttentionMetadata":
+        d = self.num_decodes
+        return AttentionMetadata(
+            num_decodes=d, num_prefills=0, num_decode_tokens=d, num_prefill_tokens=0,
+            block_size=self.block_size, slot_mapping=self.slot_mapping[:d],
+            block_tables=self.block_tables[:d], seq_lens=self.seq_lens[:d],
+            query_start_loc=self.query_start_loc[:d + 1], seq_lens_host=self.seq_lens_host[:d],
+            query_lens_host=self.query_lens_host[:d],
+            max_seq_len=max(self.seq_lens_host[:d], default=0), max_query_len=1 if d else 0)

@@ -1,0 +1,150 @@
+"""Reference implementations of every op the graph uses, in plain torch.
+
+They are the ground truth in tests and in the profiler's correctness check, written for
+clarity, not speed. Numerics follow Hugging Face transformers: norms compute in float32 and
+cast back; rotary cos/sin are built in float32 and cast to the activation dtype; attention
+softmax runs in float32.
+Shapes: activations are [num_tokens, features]; heads are packed in the feature dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tessellm.kernels.attention_metadata import AttentionMetadata
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return weight[ids]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x @ weight.t() + bias if bias is not None else x @ weight.t()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(x)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(first half) * second half of the last dim."""
+    d = x.shape[-1] // 2
+    return silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-split (GPT-NeoX / HF) rotary embedding over the whole head dim.
+
+    cos_sin: [max_positions, head_dim] float32, cos in the first half, sin in the second (the
+    half-width tables, duplicated across both halves of the head as HF does).
+    """
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin[positions]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), -1).to(q.dtype).unsqueeze(1)
+    sin = torch.cat((cs[:, half:], cs[:, half:]), -1).to(q.dtype).unsqueeze(1)
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        xh = x.unflatten(-1, (-1, head_dim))
+        return (xh * cos + _rotate_half(xh) * sin).flatten(-2)
+
+    return rope(q), rope(k)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store each token's K and V at its slot. k, v: [num_tokens, num_kv_heads * head_dim]."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0, slot_mapping] = k.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+    flat[1, slot_mapping] = v.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence as [seq_len, num_kv_heads, head_dim]."""
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table_row[:n_blocks].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's query tokens over its cached K/V (the new tokens'
+    K/V must already be written). q: [num_tokens, num_heads * head_dim]. GQA by head groups."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    out = torch.empty_like(q)
+    qsl = meta.query_start_loc.tolist()
+    for i in range(meta.num_seqs):
+        s, e = qsl[i], qsl[i + 1]
+        seq_len = meta.seq_lens_host[i]
+        qi = q[s:e].view(e - s, -1, head_dim).float()
+        k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, meta.block_size)
+        group = qi.shape[1] // num_kv_heads
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        q_pos = torch.arange(seq_len - (e - s), seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).flatten(1).to(q.dtype)
+    return out
+
+
+# The ops the graph may contain and the reference of each; attention_prefill and
+# attention_decode are paged_attention restricted to prefill / decode sequences.
+REFERENCE_OPS = {
+    "embedding": embedding,
+    "linear": linear,
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "layer_norm": layer_norm,
+    "add": add,
+    "mul": mul,
+    "silu": silu,
+    "silu_and_mul": silu_and_mul,
+    "gelu_tanh": gelu_tanh,
+    "rotary_embedding": rotary_embedding,
+    "write_kv_cache": write_kv_cache,
+    "attention_prefill": paged_attention,
+    "attention_decode": paged_attention,
+}

@@ -1,0 +1,27 @@
+"""The public plugin API: the one module a plugin package imports (versioned by API_VERSION).
+
+It re-exports the device contract, kernel registration types, the reference ops and the hook
+marker. Plugins must not import engine or scheduler internals.
+"""
+from tessellm.device import (
+    AllocatorStats,
+    Availability,
+    CompletedEvent,
+    DeviceAllocator,
+    DevicePlugin,
+    Event,
+    HostAllocator,
+    MemoryInfo,
+    SynchronousStream,
+    TransferStream,
+)
+from tessellm.kernels import reference
+from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.registry import Kernel, KernelQuery
+from tessellm.plugin_spec import API_VERSION, hookimpl
+
+__all__ = [
+    "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "CompletedEvent",
+    "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
+    "MemoryInfo", "SynchronousStream", "TransferStream", "hookimpl", "reference",
+]

@@ -1,0 +1,40 @@
+"""pluggy hook specifications of the tessellm plugin contract (marker name "tessellm").
+
+A plugin is a module found through the entry-point group `tessellm.plugins`. It must declare
+`TESSELLM_API_VERSION = "<major>.<minor>"`; a different major version than API_VERSION is
+refused. Every hook is optional; each returns a list (or dict) that the manager merges.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from tessellm.device import DevicePlugin
+    from tessellm.kernels.registry import Kernel
+
+PROJECT = "tessellm"
+ENTRY_POINT_GROUP = "tessellm.plugins"
+API_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class TessellmHookSpecs:
+    @hookspec
+    def tessellm_devices(self) -> list["DevicePlugin"]:
+        """Device plugins this package provides."""
+
+    @hookspec
+    def tessellm_kernels(self) -> list["Kernel"]:
+        """Extra kernels, each for an existing device (Kernel.device names it)."""
+
+    @hookspec
+    def tessellm_architectures(self) -> dict[str, Any]:
+        """HF architecture name (config.json "architectures") -> graph builder."""
+
+    @hookspec
+    def tessellm_graph_passes(self) -> list[Any]:
+        """Extra graph passes (GraphPass objects), run after the built-in ones."""

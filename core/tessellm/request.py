@@ -1,0 +1,82 @@
+"""A request as the engine sees it: tokens computed so far and tokens still to compute.
+
+There is no prefill phase: a request is `num_computed_tokens` out of `num_tokens` (prompt plus
+generated). Each step the scheduler grants it some of the missing tokens; when the computed count
+reaches `num_tokens`, that step also samples one new token.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tessellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Invariant: 0 <= num_computed_tokens <= num_tokens; output ids only grow (recompute
+    preemption resets num_computed_tokens to 0 but keeps the generated ids)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]:
+        """Token ids in [start, stop) of prompt + output, without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        """Append a sampled token and decide whether the request is finished."""
+        self.output_token_ids.append(token_id)
+        p = self.params
+        if token_id in p.stop_token_ids or (
+            not p.ignore_eos and token_id in self.eos_token_ids
+        ):
+            self.finish(FinishReason.STOP)
+        elif len(self.output_token_ids) >= p.max_tokens:
+            self.finish(FinishReason.LENGTH)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

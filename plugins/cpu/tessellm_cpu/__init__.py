@@ -1,0 +1,1 @@
+"""tessellm's CPU device plugin, found through the `tessellm.plugins` entry point."""
