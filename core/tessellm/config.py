@@ -1,0 +1,50 @@
+"""EngineConfig: every engine option, validated once at the boundary (pydantic)."""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """Unknown keys are an error that names the key (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="HF model directory; None = built-in demo model")
+    device: str = Field("auto", description="auto | cpu | <plugin device name>")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    kernel_selection: Literal["profile", "first"] | dict[str, str] = "profile"
+    graph_passes: Literal["default", "none"] = "default"
+    cache_dir: str | None = Field(None, description="profile cache and demo model; default "
+                                  "$TESSELLM_CACHE_DIR or ~/.cache/tessellm")
+    num_threads: int | None = Field(None, ge=1)
+    load_progress: bool = True
+
+    @field_validator("device")
+    @classmethod
+    def _device_nonempty(cls, v: str) -> str:
+        if not v:
+            raise ValueError("device must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _kv_size_once(self) -> "EngineConfig":
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_bytes, not both")
+        return self
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """The compute dtype: explicit, or the checkpoint's when auto (float32 if unknown)."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return DTYPES.get(str(checkpoint_dtype or "float32").removeprefix("torch."), torch.float32)

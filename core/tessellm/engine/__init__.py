@@ -1,0 +1,1 @@
+"""The engine: model runner, engine loop, sampling and output processing."""

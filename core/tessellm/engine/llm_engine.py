@@ -1,0 +1,84 @@
+"""LLMEngine: the synchronous engine loop. `step()` is schedule, execute, update."""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.engine.builder import EngineParts
+from tessellm.engine.model_runner import ModelRunner
+from tessellm.errors import InvalidRequestError
+from tessellm.request import FinishReason, Request
+from tessellm.sampling_params import SamplingParams
+from tessellm.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, parts: EngineParts) -> None:
+        c = parts.config
+        self.parts = parts
+        self.max_model_len = parts.max_model_len
+        self.kv = KVCacheManager(parts.num_kv_blocks, c.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=self.max_model_len), self.kv)
+        self.runner = ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
+                                  c.max_num_batched_tokens, c.max_num_seqs,
+                                  math.ceil(self.max_model_len / c.block_size))
+        self.stats = StepStats()
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued then)."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.parts.spec.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate")
+        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.kv.num_blocks_needed(total) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {self.kv.num_blocks_needed(total)} KV blocks but the pool "
+                f"has {self.kv.num_blocks}")
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
+                          time.monotonic(), eos_token_ids=self.parts.eos_token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Request]:
+        """One engine step; returns requests that finished in it."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled, token_ids = self.runner.execute(out, self.kv)
+        self._count(out, token_ids)
+        return self.scheduler.update_from_output(
+            out, {r.request_id: t for r, t in zip(sampled, token_ids)})
+
+    def _count(self, out, token_ids: list[int]) -> None:
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(out.preempted)
+        self.stats.num_generated_tokens += len(token_ids)
+        self.stats.num_prompt_tokens += out.num_batched_tokens - len(token_ids)

@@ -1,0 +1,128 @@
+"""ModelRunner: turns a SchedulerOutput into device inputs, runs the plan, samples.
+
+Inputs are staged in host buffers (from the device's host allocator), copied to persistent
+device buffers (from the device allocator) through a transfer stream, and the plan runs only
+after the copy event has completed. Sampled token ids come back the same way. Row order follows
+the scheduler: decodes first, then prefills, as AttentionMetadata requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.device import DevicePlugin, Event
+from tessellm.engine.sampler import Sampler
+from tessellm.graph.plan import ExecutionPlan
+from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.request import Request
+from tessellm.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Host-side description of one step (lists; converted to tensors once)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    seq_lens: list[int]
+    query_lens: list[int]
+    logits_indices: list[int]
+    sampled: list[Request]
+    num_decodes: int
+
+
+def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+    s = StepInputs([], [], [], [], [], [], [], [], 0)
+    for sched in out.scheduled:
+        r, n = sched.request, sched.num_tokens
+        start, stop = r.num_computed_tokens, r.num_computed_tokens + n
+        s.token_ids += r.token_ids_slice(start, stop)
+        s.positions += range(start, stop)
+        s.slot_mapping += kv.slot_mapping(r, start, stop)
+        s.block_tables.append(kv.block_table(r.request_id))
+        s.seq_lens.append(stop)
+        s.query_lens.append(n)
+        if stop == r.num_tokens:  # fully computed after this step: sample its next token
+            s.logits_indices.append(len(s.token_ids) - 1)
+            s.sampled.append(r)
+    while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
+        s.num_decodes += 1
+    return s
+
+
+class ModelRunner:
+    def __init__(self, device: DevicePlugin, plan: ExecutionPlan, kv_caches: list[torch.Tensor],
+                 block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_blocks_per_seq: int) -> None:
+        self.device = device
+        self.plan = plan
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = Sampler()
+        self.stream = device.new_stream()
+        alloc, host = device.allocator(), device.host_allocator()
+        T, B, W = max_num_batched_tokens, max_num_seqs, max_blocks_per_seq
+        shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
+                  "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
+                  "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
+                  "logits_indices": ((B,), torch.int64)}
+        self.host_bufs = {k: host.allocate(shape, dt) for k, (shape, dt) in shapes.items()}
+        self.dev_bufs = {k: alloc.allocate(shape, dt, tag="input_buffers")
+                         for k, (shape, dt) in shapes.items()}
+        self.host_sampled = host.allocate((B,), torch.int64)
+
+    def wait(self, event: Event) -> None:
+        """Block until a transfer has landed (the one place the runner waits on the stream)."""
+        event.wait()
+
+    def _upload(self, values: dict[str, list]) -> dict[str, torch.Tensor]:
+        """Stage host values, enqueue their copies, wait once; returns device views."""
+        views = {}
+        for name, vals in values.items():
+            src = torch.as_tensor(vals, dtype=self.host_bufs[name].dtype)
+            if src.dim() == 2:
+                h = self.host_bufs[name][:src.shape[0], :src.shape[1]]
+                d = self.dev_bufs[name][:src.shape[0], :src.shape[1]]
+            else:
+                h, d = self.host_bufs[name][:src.shape[0]], self.dev_bufs[name][:src.shape[0]]
+            h.copy_(src)
+            self.stream.copy(d, h)
+            views[name] = d
+        self.wait(self.stream.record_event())
+        return views
+
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], list[int]]:
+        """Run one step; returns the requests that sampled and their new token ids."""
+        s = build_step_inputs(out, kv)
+        width = max(len(t) for t in s.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in s.block_tables]
+        qsl = [0]
+        for q in s.query_lens:
+            qsl.append(qsl[-1] + q)
+        dev = self._upload({
+            "input_ids": s.token_ids, "positions": s.positions, "slot_mapping": s.slot_mapping,
+            "block_tables": tables, "seq_lens": s.seq_lens, "query_start_loc": qsl,
+            "logits_indices": s.logits_indices or [0]})
+        n_dec = s.num_decodes
+        meta = AttentionMetadata(
+            num_decodes=n_dec, num_prefills=len(s.query_lens) - n_dec, num_decode_tokens=n_dec,
+            num_prefill_tokens=len(s.token_ids) - n_dec, block_size=self.block_size,
+            slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"],
+            seq_lens=dev["seq_lens"], query_start_loc=dev["query_start_loc"],
+            seq_lens_host=s.seq_lens, query_lens_host=s.query_lens,
+            max_seq_len=max(s.seq_lens), max_query_len=max(s.query_lens))
+        feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
+                 "logits_indices": dev["logits_indices"][:max(1, len(s.logits_indices))]}
+        feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
+        logits = self.plan.run(feeds)
+        if not s.sampled:
+            return [], []
+        ids = self.sampler(logits, [r.params for r in s.sampled],
+                           [len(r.output_token_ids) for r in s.sampled])
+        host = self.host_sampled[:len(s.sampled)]
+        self.wait(self.stream.copy(host, ids))
+        return s.sampled, host.tolist()

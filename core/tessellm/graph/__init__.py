@@ -1,0 +1,1 @@
+"""The execution graph (torch.fx), its fusion passes and its lowering to an ExecutionPlan."""

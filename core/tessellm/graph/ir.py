@@ -1,0 +1,84 @@
+"""The model graph: a torch.fx Graph over named values plus the weights it reads.
+
+Conventions (relied on by passes and lowering):
+- placeholders: `input_ids` [T], `positions` [T], `attn_meta` (AttentionMetadata),
+  `logits_indices` [num_seqs_to_sample], and `kv_cache_<layer>` per layer;
+- `get_attr` nodes name a key of `ModelGraph.weights`;
+- device-op nodes are call_function nodes whose target is in `graph.ops`; their
+  `meta["dims"]` is the (name, size) tuple the kernel registry's KernelQuery needs, and
+  `meta["role"]` / `meta["layer"]` say what they are (e.g. "q_proj", 3) for the passes;
+- the single output is the logits [num_seqs_to_sample, vocab].
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from tessellm.graph import ops
+
+
+@dataclass
+class ModelGraph:
+    graph: fx.Graph
+    weights: dict[str, torch.Tensor]
+    num_layers: int
+
+    def op_nodes(self, target: Callable | None = None) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "call_function"
+                and (ops.op_name(n.target) is not None if target is None else n.target is target)]
+
+    def count(self, target: Callable) -> int:
+        return len(self.op_nodes(target))
+
+
+class GraphBuilder:
+    """Emits nodes into a fresh fx.Graph; knows weight shapes to fill in kernel dims."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.graph = fx.Graph()
+        self.weights = weights
+
+    def input(self, name: str) -> fx.Node:
+        return self.graph.placeholder(name)
+
+    def weight(self, name: str) -> fx.Node:
+        if name not in self.weights:
+            raise KeyError(name)
+        node = self.graph.get_attr(name)
+        node.meta["shape"] = tuple(self.weights[name].shape)
+        return node
+
+    def op(self, target: Callable, *args: Any, dims: dict[str, int],
+           role: str | None = None, layer: int | None = None) -> fx.Node:
+        node = self.graph.call_function(target, tuple(args))
+        node.meta["dims"] = tuple(sorted(dims.items()))
+        if role is not None:
+            node.meta["role"] = role
+        if layer is not None:
+            node.meta["layer"] = layer
+        return node
+
+    def linear(self, x: fx.Node, prefix: str, *, role: str, layer: int | None,
+               bias: bool) -> fx.Node:
+        w = self.weight(prefix + ".weight")
+        b = self.weight(prefix + ".bias") if bias else None
+        out_f, in_f = self.weights[prefix + ".weight"].shape
+        return self.op(ops.linear, x, w, b, dims=linear_dims(in_f, out_f, bias),
+                       role=role, layer=layer)
+
+    def call(self, fn: Callable, *args: Any) -> fx.Node:
+        return self.graph.call_function(fn, tuple(args))
+
+    def item(self, node: fx.Node, index: int) -> fx.Node:
+        return self.graph.call_function(operator.getitem, (node, index))
+
+    def output(self, node: fx.Node) -> None:
+        self.graph.output(node)
+
+
+def linear_dims(in_f: int, out_f: int, bias: bool) -> dict[str, int]:
+    return {"in_features": int(in_f), "out_features": int(out_f), "bias": int(bias)}

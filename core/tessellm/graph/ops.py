@@ -1,0 +1,101 @@
+"""Graph-level op targets.
+
+Every device op the graph may contain is a module-level function here whose name is the op name
+of the kernel registry; calling it runs the reference implementation, so an unlowered graph is
+executable as the reference model. `attention` is a composite: lowering binds it to the device's
+write_kv_cache, attention_decode and attention_prefill kernels. Structural functions (views,
+splits, row selection) are not device ops and run as plain torch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tessellm.kernels import reference as ref
+from tessellm.kernels.attention_metadata import AttentionMetadata
+
+
+def embedding(ids, weight):
+    return ref.embedding(ids, weight)
+
+
+def linear(x, weight, bias=None):
+    return ref.linear(x, weight, bias)
+
+
+def rms_norm(x, weight, eps):
+    return ref.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    return ref.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    return ref.layer_norm(x, weight, bias, eps)
+
+
+def add(a, b):
+    return ref.add(a, b)
+
+
+def mul(a, b):
+    return ref.mul(a, b)
+
+
+def silu(x):
+    return ref.silu(x)
+
+
+def silu_and_mul(x):
+    return ref.silu_and_mul(x)
+
+
+def gelu_tanh(x):
+    return ref.gelu_tanh(x)
+
+
+def rotary_embedding(positions, q, k, cos_sin, head_dim):
+    return ref.rotary_embedding(positions, q, k, cos_sin, head_dim)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend (decodes, then prefills)."""
+    ref.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    return ref.paged_attention(q, kv_cache, meta, scale)
+
+
+# Structural helpers (not device ops).
+def split_last(x: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    return torch.split(x, list(sizes), dim=-1)
+
+
+def per_head(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return x.unflatten(-1, (-1, head_dim))
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(-2)
+
+
+def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)
+
+
+DEVICE_OPS: dict[Callable, str] = {
+    fn: fn.__name__ for fn in (
+        embedding, linear, rms_norm, fused_add_rms_norm, layer_norm, add, mul, silu,
+        silu_and_mul, gelu_tanh, rotary_embedding)
+}
+COMPOSITE_OPS: dict[Callable, tuple[str, ...]] = {
+    attention: ("write_kv_cache", "attention_decode", "attention_prefill"),
+}
+
+
+def op_name(target: object) -> str | None:
+    """The registry op name of a graph target, or None for structural functions."""
+    if target is attention:
+        return "attention"
+    return DEVICE_OPS.get(target)  # type: ignore[arg-type]

@@ -1,0 +1,122 @@
+"""Example inputs for profiling a kernel at a concrete KernelQuery.
+
+`make_example(query, device)` returns the positional args of the op's reference signature,
+shaped as the query says (num_tokens rows, model dims), seeded so every candidate sees the same
+values. Attention examples lay sequences out in a paged cache with shuffled block tables.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tessellm.errors import KernelError
+from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.registry import KernelQuery
+
+EXAMPLE_BLOCK_SIZE = 16
+DECODE_CONTEXT = 128    # context length of each decode sequence in examples
+PREFILL_CHUNK = 128     # tokens per prefill sequence in examples
+
+
+def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev: str,
+           scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * scale).to(dtype=dtype, device=dev)
+
+
+def make_attention_metadata(query_lens: list[int], seq_lens: list[int], block_size: int,
+                            num_decodes: int, dev: str, gen: torch.Generator
+                            ) -> tuple[AttentionMetadata, int]:
+    """Metadata for sequences with shuffled block tables; returns (meta, num_blocks)."""
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 1
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, cursor = [], [], 0
+    for q, s, nb in zip(query_lens, seq_lens, blocks_per_seq):
+        table = perm[cursor:cursor + nb]
+        cursor += nb
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
+    width = max(blocks_per_seq)
+    bt = torch.zeros((len(tables), width), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    n_dec_tok = sum(query_lens[:num_decodes])
+    meta = AttentionMetadata(
+        num_decodes=num_decodes, num_prefills=len(query_lens) - num_decodes,
+        num_decode_tokens=n_dec_tok, num_prefill_tokens=qsl[-1] - n_dec_tok,
+        block_size=block_size, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        block_tables=bt.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens_host=list(seq_lens), query_lens_host=list(query_lens),
+        max_seq_len=max(seq_lens), max_query_len=max(query_lens))
+    return meta, num_blocks
+
+
+def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> list[Any]:
+    T, dt = query.num_tokens, query.dtype
+    nh, nkv, hd = query.dim("num_heads"), query.dim("num_kv_heads"), query.dim("head_dim")
+    if query.op == "attention_decode":
+        qlens, slens, nd = [1] * T, [DECODE_CONTEXT] * T, T
+    else:
+        qlens = [PREFILL_CHUNK] * (T // PREFILL_CHUNK) + ([T % PREFILL_CHUNK] if T % PREFILL_CHUNK else [])
+        # the second sequence (if any) has cached context before its chunk
+        slens = [q + (32 if i == 1 else 0) for i, q in enumerate(qlens)]
+        nd = 0
+    meta, nblocks = make_attention_metadata(qlens, slens, EXAMPLE_BLOCK_SIZE, nd, dev, gen)
+    cache = _randn(gen, (2, nblocks, EXAMPLE_BLOCK_SIZE, nkv, hd), dt, dev)
+    return [_randn(gen, (T, nh * hd), dt, dev), cache, meta, 1.0 / math.sqrt(hd)]
+
+
+def make_example(query: KernelQuery, dev: str) -> list[Any]:
+    gen = torch.Generator().manual_seed(1234)
+    T, dt, op = query.num_tokens, query.dtype, query.op
+    d = dict(query.dims)
+    if op == "embedding":
+        return [torch.randint(0, d["vocab"], (T,), generator=gen).to(dev),
+                _randn(gen, (d["vocab"], d["hidden"]), dt, dev)]
+    if op == "linear":
+        w = _randn(gen, (d["out_features"], d["in_features"]), dt, dev, d["in_features"] ** -0.5)
+        b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
+        return [_randn(gen, (T, d["in_features"]), dt, dev), w, b]
+    if op == "rms_norm":
+        return [_randn(gen, (T, d["hidden"]), dt, dev), _randn(gen, (d["hidden"],), dt, dev), 1e-6]
+    if op == "fused_add_rms_norm":
+        h = d["hidden"]
+        return [_randn(gen, (T, h), dt, dev), _randn(gen, (T, h), dt, dev),
+                _randn(gen, (h,), dt, dev), 1e-6]
+    if op == "layer_norm":
+        h = d["hidden"]
+        return [_randn(gen, (T, h), dt, dev), _randn(gen, (h,), dt, dev),
+                _randn(gen, (h,), dt, dev), 1e-5]
+    if op in ("add", "mul"):
+        return [_randn(gen, (T, d["features"]), dt, dev), _randn(gen, (T, d["features"]), dt, dev)]
+    if op in ("silu", "gelu_tanh"):
+        return [_randn(gen, (T, d["features"]), dt, dev)]
+    if op == "silu_and_mul":
+        return [_randn(gen, (T, 2 * d["features"]), dt, dev)]
+    if op == "rotary_embedding":
+        nh, nkv, hd = d["num_heads"], d["num_kv_heads"], d["head_dim"]
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        f = torch.outer(torch.arange(4096).float(), inv)
+        cos_sin = torch.cat((f.cos(), f.sin()), -1).to(dev)
+        pos = torch.randint(0, 4096, (T,), generator=gen).to(dev)
+        return [pos, _randn(gen, (T, nh * hd), dt, dev), _randn(gen, (T, nkv * hd), dt, dev),
+                cos_sin, hd]
+    if op == "write_kv_cache":
+        nkv, hd = d["num_kv_heads"], d["head_dim"]
+        nblocks = math.ceil(T / EXAMPLE_BLOCK_SIZE) * 2
+        slots = torch.randperm(nblocks * EXAMPLE_BLOCK_SIZE, generator=gen)[:T].to(dev)
+        return [_randn(gen, (T, nkv * hd), dt, dev), _randn(gen, (T, nkv * hd), dt, dev),
+                torch.zeros((2, nblocks, EXAMPLE_BLOCK_SIZE, nkv, hd), dtype=dt, device=dev), slots]
+    if op in ("attention_decode", "attention_prefill"):
+        return _attention_example(query, dev, gen)
+    raise KernelError(f"no example inputs defined for op {op!r}")
+
+
+# Ops that write into an argument instead of returning a result: op -> index of that argument.
+IN_PLACE_OUTPUT_ARG = {"write_kv_cache": 2}

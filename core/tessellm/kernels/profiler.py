@@ -1,0 +1,189 @@
+"""The runtime kernel profiler and selector.
+
+For a concrete KernelQuery (op, dtype, token bucket, model dims) on the active device, the
+selector either takes the first supported candidate (`first`), a named kernel (`{op: name}`),
+or profiles (`profile`): each candidate runs on seeded example inputs, its output is compared
+with the reference op (a wrong kernel is rejected and the reason kept), and the fastest correct
+one wins (median of timed runs after warm-up, with device synchronization). Decisions and
+rankings are cached in memory and on disk, keyed by device, library versions, the candidate set
+and the query, so a restart does not re-profile.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from tessellm.errors import ConfigError, KernelError
+from tessellm.kernels.examples import IN_PLACE_OUTPUT_ARG, make_example
+from tessellm.kernels.reference import REFERENCE_OPS
+from tessellm.kernels.registry import Kernel, KernelQuery, KernelRegistry
+
+TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.6e-2, 5e-2)}
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Smallest power of two >= num_tokens (min 1): the profiling bucket of a token count."""
+    return 1 << max(0, (max(1, num_tokens) - 1).bit_length())
+
+
+@dataclass(slots=True)
+class Candidate:
+    name: str
+    median_us: float | None
+    correct: bool
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Decision:
+    choice: str
+    ranking: list[Candidate]
+
+
+class ProfileCache:
+    """Decisions on disk as one JSON file: {key: {"choice": name, "ranking": [...]}}."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._data: dict[str, Any] = {}
+        if path is not None and path.exists():
+            try:
+                self._data = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                self._data = {}  # a corrupt cache is rebuilt, never trusted
+
+    def get(self, key: str) -> Decision | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        return Decision(entry["choice"], [Candidate(**c) for c in entry["ranking"]])
+
+    def put(self, key: str, decision: Decision) -> None:
+        self._data[key] = {"choice": decision.choice, "ranking": [asdict(c) for c in decision.ranking]}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self._data, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+
+
+def _outputs(op: str, args: list[Any], result: Any) -> list[torch.Tensor]:
+    if op in IN_PLACE_OUTPUT_ARG:
+        return [args[IN_PLACE_OUTPUT_ARG[op]]]
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _clone_args(args: list[Any]) -> list[Any]:
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+class KernelSelector:
+    """Chooses one kernel per KernelQuery for one device.
+
+    policy: "profile" | "first" | {op: kernel_name} (ops not named fall back to "profile").
+    """
+
+    def __init__(self, registry: KernelRegistry, device_name: str, torch_device: str,
+                 synchronize: Callable[[], None], policy: str | Mapping[str, str] = "profile",
+                 cache: ProfileCache | None = None, identity: str = "",
+                 min_time_s: float = 0.02, max_reps: int = 50) -> None:
+        if isinstance(policy, str) and policy not in ("profile", "first"):
+            raise ConfigError(f"kernel_selection must be 'profile', 'first' or a mapping "
+                              f"op -> kernel name, got {policy!r}")
+        self.registry = registry
+        self.device_name = device_name
+        self.torch_device = torch_device
+        self.synchronize = synchronize
+        self.policy = policy
+        self.cache = cache or ProfileCache(None)
+        self.identity = identity
+        self.min_time_s = min_time_s
+        self.max_reps = max_reps
+        self._chosen: dict[KernelQuery, Kernel] = {}
+        if isinstance(policy, Mapping):
+            for op, name in policy.items():
+                if name not in {k.name for k in registry.kernels(device_name, op)}:
+                    raise ConfigError(f"kernel_selection names kernel {name!r} for op {op!r}, "
+                                      f"which device {device_name!r} does not have; it has "
+                                      f"{[k.name for k in registry.kernels(device_name, op)]}")
+
+    def select(self, query: KernelQuery) -> Kernel:
+        kernel = self._chosen.get(query)
+        if kernel is None:
+            kernel = self._select(query)
+            self._chosen[query] = kernel
+        return kernel
+
+    def _select(self, query: KernelQuery) -> Kernel:
+        candidates = self.registry.candidates(self.device_name, query)
+        if not candidates:
+            raise KernelError(f"device {self.device_name!r} has no kernel for {query.bucket_key}")
+        if isinstance(self.policy, Mapping) and query.op in self.policy:
+            named = [k for k in candidates if k.name == self.policy[query.op]]
+            if not named:
+                raise KernelError(f"kernel {self.policy[query.op]!r} does not support "
+                                  f"{query.bucket_key}")
+            return named[0]
+        if self.policy == "first" or len(candidates) == 1:
+            return candidates[0]
+        decision = self.decide(query, candidates)
+        return next(k for k in candidates if k.name == decision.choice)
+
+    def cache_key(self, query: KernelQuery, candidates: list[Kernel]) -> str:
+        names = ",".join(k.name for k in candidates)
+        return f"{self.device_name}|{self.identity}|{query.bucket_key}|[{names}]"
+
+    def decide(self, query: KernelQuery, candidates: list[Kernel] | None = None) -> Decision:
+        """The profiled decision for a query (from cache, or measured now)."""
+        candidates = candidates or self.registry.candidates(self.device_name, query)
+        key = self.cache_key(query, candidates)
+        decision = self.cache.get(key)
+        if decision is None:
+            decision = self._profile(query, candidates)
+            self.cache.put(key, decision)
+        return decision
+
+    def _profile(self, query: KernelQuery, candidates: list[Kernel]) -> Decision:
+        args = make_example(query, self.torch_device)
+        ref_args = _clone_args(args)
+        expected = _outputs(query.op, ref_args, REFERENCE_OPS[query.op](*ref_args))
+        rtol, atol = TOLERANCES.get(query.dtype, (1e-5, 1e-4))
+        ranking = []
+        for k in candidates:
+            ranking.append(self._measure(k, query.op, args, expected, rtol, atol))
+        correct = sorted((c for c in ranking if c.correct), key=lambda c: c.median_us)
+        if not correct:
+            raise KernelError(f"every kernel for {query.bucket_key} on {self.device_name!r} "
+                              f"disagrees with the reference: "
+                              + "; ".join(f"{c.name}: {c.error}" for c in ranking))
+        ranking.sort(key=lambda c: (not c.correct, c.median_us or 0.0))
+        return Decision(correct[0].name, ranking)
+
+    def _measure(self, kernel: Kernel, op: str, args: list[Any], expected: list[torch.Tensor],
+                 rtol: float, atol: float) -> Candidate:
+        try:
+            run_args = _clone_args(args)
+            got = _outputs(op, run_args, kernel.fn(*run_args))
+            for g, e in zip(got, expected, strict=True):
+                if g.shape != e.shape or not torch.allclose(g.float(), e.float(), rtol=rtol, atol=atol):
+                    diff = (g.float() - e.float()).abs().max().item() if g.shape == e.shape else "shape"
+                    return Candidate(kernel.name, None, False, f"output differs from reference "
+                                     f"(max abs diff {diff}, rtol {rtol}, atol {atol})")
+            times = []
+            deadline = time.perf_counter() + self.min_time_s
+            while len(times) < 3 or (time.perf_counter() < deadline and len(times) < self.max_reps):
+                self.synchronize()
+                t0 = time.perf_counter()
+                kernel.fn(*run_args)
+                self.synchronize()
+                times.append(time.perf_counter() - t0)
+            return Candidate(kernel.name, statistics.median(times[1:]) * 1e6, True)
+        except Exception as e:  # a crashing candidate is reported and skipped, never chosen
+            return Candidate(kernel.name, None, False, f"{type(e).__name__}: {e}")

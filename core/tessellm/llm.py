@@ -1,0 +1,65 @@
+"""The offline API: `LLM(model=DIR, device=..., dtype=..., **engine_options).generate(...)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from tessellm.config import EngineConfig
+from tessellm.engine.builder import build_engine_parts
+from tessellm.engine.llm_engine import LLMEngine
+from tessellm.errors import InvalidRequestError
+from tessellm.plugins import PluginManager
+from tessellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, plugins: PluginManager | None = None,
+                 **engine_options: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_options)
+        self.engine = LLMEngine(build_engine_parts(self.config, plugins))
+        self.tokenizer = self.engine.parts.tokenizer
+
+    @property
+    def is_demo(self) -> bool:
+        return self.engine.parts.is_demo
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order. Nothing is queued if
+        any prompt or params entry is invalid."""
+        if isinstance(prompts, str):
+            raise InvalidRequestError("prompts must be a list of strings or of token-id lists")
+        params = params or SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        requests = []
+        try:
+            for ids, p in zip(token_lists, per_prompt):
+                requests.append(self.engine.add_request(ids, p))
+        except Exception:
+            for r in requests:
+                self.engine.abort(r.request_id)
+            raise
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                              self.decode(r.output_token_ids), r.finish_reason.value)
+                for r in requests]

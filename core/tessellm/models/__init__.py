@@ -1,0 +1,1 @@
+"""Model architectures and loading: HF config, safetensors weights, tokenizers, the demo model."""

@@ -1,0 +1,43 @@
+"""Built-in architectures: HF architecture name -> how to read its spec, adapt its weights and
+build its graph. Plugins add more through the `tessellm_architectures` hook."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tessellm.errors import UnsupportedModelError
+from tessellm.graph.ir import ModelGraph
+from tessellm.models import gpt2, llama
+from tessellm.models.spec import ModelSpec, gpt2_spec, llama_family_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    spec: Callable[[dict[str, Any]], ModelSpec]
+    adapt_weights: Callable[[dict[str, torch.Tensor], ModelSpec], dict[str, torch.Tensor]]
+    build_graph: Callable[[ModelSpec, dict[str, torch.Tensor]], ModelGraph]
+
+
+_LLAMA = Architecture(llama_family_spec, llama.adapt_llama_weights, llama.build_llama_graph)
+
+BUILTIN_ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
+    "GPT2LMHeadModel": Architecture(gpt2_spec, gpt2.adapt_gpt2_weights, gpt2.build_gpt2_graph),
+}
+
+
+def resolve_architecture(config: dict[str, Any],
+                         extra: dict[str, Architecture] | None = None) -> Architecture:
+    names = config.get("architectures") or []
+    known = {**BUILTIN_ARCHITECTURES, **(extra or {})}
+    for name in names:
+        if name in known:
+            return known[name]
+    raise UnsupportedModelError(
+        f"unsupported architecture {names or '(none in config.json)'}; "
+        f"supported: {', '.join(sorted(known))}")

@@ -1,0 +1,76 @@
+"""Graph of the Llama family (Llama, Mistral, Qwen2, Qwen3), built unfused.
+
+Per layer: h = x + o_proj(attn(rope(q, k), v)) with q/k/v from rms_norm(x); then
+h + down(silu(gate(n)) * up(n)) with n = rms_norm(h). Qwen3 adds per-head rms_norm of q and k
+before rope. Fusion passes rewrite this graph later; the builder never fuses.
+Weight names are the HF names; a tied lm_head reads the embedding weight.
+"""
+from __future__ import annotations
+
+import torch
+
+from tessellm.graph import ops
+from tessellm.graph.ir import GraphBuilder, ModelGraph
+from tessellm.models.spec import ModelSpec
+
+COS_SIN = "rope.cos_sin"
+
+
+def adapt_llama_weights(weights: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Drop what the graph does not read (rotary buffers of old checkpoints); add the rope table."""
+    out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    out[COS_SIN] = spec.rope_cos_sin()
+    return out
+
+
+def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> ModelGraph:
+    b = GraphBuilder(weights)
+    ids, positions = b.input("input_ids"), b.input("positions")
+    meta, logits_indices = b.input("attn_meta"), b.input("logits_indices")
+    kv_caches = [b.input(f"kv_cache_{i}") for i in range(spec.num_layers)]
+    h = spec.hidden_size
+    norm = {"hidden": h}
+    cos_sin = b.weight(COS_SIN)
+
+    x = b.op(ops.embedding, ids, b.weight("model.embed_tokens.weight"),
+             dims={"vocab": spec.vocab_size, "hidden": h}, role="embed")
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        n = b.op(ops.rms_norm, x, b.weight(f"{p}.input_layernorm.weight"), spec.norm_eps,
+                 dims=norm, role="input_norm", layer=i)
+        q = b.linear(n, f"{p}.self_attn.q_proj", role="q_proj", layer=i, bias=spec.qkv_bias)
+        k = b.linear(n, f"{p}.self_attn.k_proj", role="k_proj", layer=i, bias=spec.qkv_bias)
+        v = b.linear(n, f"{p}.self_attn.v_proj", role="v_proj", layer=i, bias=spec.qkv_bias)
+        if spec.qk_norm:
+            q, k = (b.call(ops.merge_heads, b.op(
+                ops.rms_norm, b.call(ops.per_head, t, spec.head_dim),
+                b.weight(f"{p}.self_attn.{name}.weight"), spec.norm_eps,
+                dims={"hidden": spec.head_dim}, role=name, layer=i))
+                for t, name in ((q, "q_norm"), (k, "k_norm")))
+        qk = b.op(ops.rotary_embedding, positions, q, k, cos_sin, spec.head_dim,
+                  dims=_attn_dims(spec), role="rope", layer=i)
+        attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, kv_caches[i], meta,
+                    spec.attention_scale, dims=_attn_dims(spec), role="attention", layer=i)
+        o = b.linear(attn, f"{p}.self_attn.o_proj", role="o_proj", layer=i, bias=spec.o_bias)
+        x = b.op(ops.add, o, x, dims=norm, role="attn_residual", layer=i)
+        n = b.op(ops.rms_norm, x, b.weight(f"{p}.post_attention_layernorm.weight"),
+                 spec.norm_eps, dims=norm, role="post_attention_norm", layer=i)
+        gate = b.linear(n, f"{p}.mlp.gate_proj", role="gate_proj", layer=i, bias=spec.mlp_bias)
+        up = b.linear(n, f"{p}.mlp.up_proj", role="up_proj", layer=i, bias=spec.mlp_bias)
+        inter = {"features": spec.intermediate_size}
+        act = b.op(ops.mul, b.op(ops.silu, gate, dims=inter, role="act", layer=i), up,
+                   dims=inter, role="act_mul", layer=i)
+        down = b.linear(act, f"{p}.mlp.down_proj", role="down_proj", layer=i, bias=spec.mlp_bias)
+        x = b.op(ops.add, down, x, dims=norm, role="mlp_residual", layer=i)
+    x = b.op(ops.rms_norm, x, b.weight("model.norm.weight"), spec.norm_eps, dims=norm,
+             role="final_norm")
+    last = b.call(ops.select_rows, x, logits_indices)
+    head = "model.embed_tokens" if spec.tie_word_embeddings or "lm_head.weight" not in weights \
+        else "lm_head"
+    b.output(b.linear(last, head, role="lm_head", layer=None, bias=False))
+    return ModelGraph(b.graph, weights, spec.num_layers)
+
+
+def _attn_dims(spec: ModelSpec) -> dict[str, int]:
+    return {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim}

@@ -1,0 +1,334 @@
+"""The plugin manager: finds plugins through entry points, checks their API version, probes
+their devices loudly and merges what their hooks contribute.
+
+Nothing a plugin does wrong is swallowed. Every entry point found yields one PluginRecord:
+  loaded  -- imported, API version accepted, registered with pluggy, devices probed;
+  refused -- imported, but it declares no TESSELLM_API_VERSION or another major version
+             (not registered: none of its hooks run);
+  error   -- importing it, registering it or calling its `tessellm_devices` hook failed, or it
+             provides a device name another plugin already provides (not registered).
+A loaded plugin may still carry an `error` (a kernel for an unknown device, a failing
+`tessellm_kernels` hook, ...): it stays loaded and the message says what was ignored.
+Errors read "ExcType: message". Devices keep their probe result in a DeviceRecord; a device
+whose `is_available()` or `kernels()` raises is unavailable with that error as the reason.
+
+Ordering: plugins are handled in entry-point order; a device's own kernels are registered before
+kernels other plugins add through `tessellm_kernels` (KernelRegistry keeps that order).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Literal
+
+import pluggy
+
+from tessellm.device import DevicePlugin
+from tessellm.errors import ConfigError, DeviceUnavailableError, KernelError
+from tessellm.kernels.registry import Kernel, KernelRegistry
+from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP, PROJECT, TessellmHookSpecs
+
+PluginStatus = Literal["loaded", "error", "refused"]
+
+
+@dataclass(slots=True)
+class DeviceRecord:
+    name: str
+    plugin: str
+    priority: int
+    available: bool
+    reason: str
+
+
+@dataclass(slots=True)
+class PluginRecord:
+    """One entry point found. `error` is None only when nothing about the plugin failed."""
+
+    name: str
+    value: str
+    version: str
+    status: PluginStatus
+    error: str | None = None
+    devices: list[DeviceRecord] = field(default_factory=list)
+
+    def add_error(self, message: str) -> None:
+        self.error = message if self.error is None else f"{self.error}; {message}"
+
+
+def describe_exception(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _major(version: str) -> str:
+    return version.split(".", 1)[0]
+
+
+def check_api_version(module: object) -> str | None:
+    """Why the plugin `module` is refused, or None when its declared API version is accepted."""
+    declared = getattr(module, "TESSELLM_API_VERSION", None)
+    supported = f"this tessellm core supports plugin API version {API_VERSION} (major {_major(API_VERSION)})"
+    if declared is None:
+        return f"the plugin declares no TESSELLM_API_VERSION; {supported}"
+    if not isinstance(declared, str) or not _major(declared).isdigit():
+        return f"the plugin declares TESSELLM_API_VERSION = {declared!r}, not '<major>.<minor>'; {supported}"
+    if _major(declared) != _major(API_VERSION):
+        return f"the plugin declares API version {declared}; {supported}"
+    return None
+
+
+def _dist_version(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    version = getattr(dist, "version", None) if dist is not None else None
+    return str(version) if version else "unknown"
+
+
+class PluginManager:
+    """Discovers and holds the tessellm plugins. `load()` before anything else (the query
+    methods call it). Results are computed once: the kernel registry, architectures and graph
+    passes are cached, so each plugin error is recorded exactly once."""
+
+    def __init__(self, entry_points: Iterable[importlib.metadata.EntryPoint] | None = None) -> None:
+        self._entry_points = list(entry_points) if entry_points is not None else None
+        self._pm = pluggy.PluginManager(PROJECT)
+        self._pm.add_hookspecs(TessellmHookSpecs)
+        self.records: list[PluginRecord] = []
+        self._devices: dict[str, tuple[DevicePlugin, DeviceRecord]] = {}
+        self._loaded = False
+        self._registry: KernelRegistry | None = None
+        self._architectures: dict[str, Any] | None = None
+        self._graph_passes: list[Any] | None = None
+
+    # -- loading -------------------------------------------------------------------------
+
+    def load(self) -> "PluginManager":
+        if self._loaded:
+            return self
+        self._loaded = True
+        eps = self._entry_points
+        if eps is None:
+            eps = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        for ep in eps:
+            self.records.append(self._load_one(ep))
+        return self
+
+    def _load_one(self, ep: importlib.metadata.EntryPoint) -> PluginRecord:
+        record = PluginRecord(ep.name, ep.value, _dist_version(ep), "error")
+        try:
+            plugin = ep.load()
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the host
+            record.error = describe_exception(exc)
+            return record
+        refusal = check_api_version(plugin)
+        if refusal is not None:
+            record.status, record.error = "refused", refusal
+            return record
+        try:
+            self._pm.register(plugin, name=ep.name)
+        except Exception as exc:
+            record.error = describe_exception(exc)
+            return record
+        problem = self._unknown_hooks(plugin) or self._add_devices(plugin, record)
+        if problem is not None:
+            self._pm.unregister(plugin)
+            record.devices = []
+            record.error = problem
+            return record
+        record.status = "loaded"
+        return record
+
+    def _unknown_hooks(self, plugin: object) -> str | None:
+        unknown = sorted(c.name for c in self._pm.get_hookcallers(plugin) or [] if not c.has_spec())
+        if unknown:
+            return f"PluginError: unknown hook(s) {', '.join(unknown)} (not in the tessellm hook specifications)"
+        return None
+
+    def _add_devices(self, plugin: object, record: PluginRecord) -> str | None:
+        """Calls the plugin's `tessellm_devices`, probes each device; all or nothing."""
+        devices: list[DevicePlugin] = []
+        for call in self._impls(plugin, "tessellm_devices"):
+            try:
+                result = call()
+            except Exception as exc:
+                return f"tessellm_devices failed: {describe_exception(exc)}"
+            if not isinstance(result, (list, tuple)):
+                return f"PluginError: tessellm_devices returned {type(result).__name__}, not a list"
+            devices.extend(result)
+        names: set[str] = set()
+        for dev in devices:
+            name = getattr(dev, "name", None)
+            if not isinstance(dev, DevicePlugin) or not isinstance(name, str) or not name:
+                return f"PluginError: tessellm_devices returned {dev!r}, not a named DevicePlugin"
+            if name in self._devices:
+                owner = self._devices[name][1].plugin
+                return f"PluginError: device {name!r} is already provided by plugin {owner!r}"
+            if name in names:
+                return f"PluginError: device {name!r} is provided twice"
+            names.add(name)
+        for dev in devices:
+            rec = DeviceRecord(dev.name, record.name, int(dev.priority), *_probe(dev))
+            record.devices.append(rec)
+            self._devices[dev.name] = (dev, rec)
+        return None
+
+    def _impls(self, plugin: object, hook_name: str) -> list[Callable[[], Any]]:
+        caller = getattr(self._pm.hook, hook_name)
+        return [impl.function for impl in caller.get_hookimpls() if impl.plugin is plugin]
+
+    def _loaded_plugins(self) -> list[tuple[PluginRecord, object]]:
+        out = []
+        for record in self.records:
+            if record.status == "loaded":
+                out.append((record, self._pm.get_plugin(record.name)))
+        return out
+
+    # -- devices -------------------------------------------------------------------------
+
+    def devices(self) -> dict[str, DevicePlugin]:
+        """Devices of loaded plugins, available or not, in discovery order."""
+        self.load()
+        return {name: dev for name, (dev, _) in self._devices.items()}
+
+    def device_records(self) -> list[DeviceRecord]:
+        self.load()
+        return [rec for _, rec in self._devices.values()]
+
+    def select_device(self, name: str) -> DevicePlugin:
+        """The device called `name`, or for "auto" the available one of highest priority
+        (ties: the alphabetically first name). Availability includes whether the device's
+        kernels import, so the kernel registry is built first."""
+        self.kernel_registry()
+        if name == "auto":
+            ready = [(dev, rec) for dev, rec in self._devices.values() if rec.available]
+            if not ready:
+                raise DeviceUnavailableError(f"no available device for device='auto'; {self._summary()}")
+            return min(ready, key=lambda dr: (-dr[1].priority, dr[1].name))[0]
+        if name not in self._devices:
+            raise ConfigError(f"unknown device {name!r}; {self._summary()}")
+        dev, rec = self._devices[name]
+        if not rec.available:
+            raise DeviceUnavailableError(
+                f"device {name!r} (plugin {rec.plugin!r}) is not available: {rec.reason}")
+        return dev
+
+    def _summary(self) -> str:
+        devs = [f"{r.name} ({'available' if r.available else 'unavailable: ' + r.reason})"
+                for _, r in self._devices.values()]
+        text = "known devices: " + (", ".join(devs) if devs else "none")
+        failed = [f"{r.name} [{r.status}] {r.error}" for r in self.records if r.status != "loaded"]
+        if failed:
+            text += "; plugins that failed: " + "; ".join(failed)
+        return text
+
+    # -- contributions -------------------------------------------------------------------
+
+    def kernel_registry(self) -> KernelRegistry:
+        """Every device's own kernels, then every loaded plugin's `tessellm_kernels`."""
+        self.load()
+        if self._registry is not None:
+            return self._registry
+        registry = KernelRegistry()
+        owner = {rec.name: rec for rec in self.records}
+        for dev, rec in self._devices.values():
+            try:
+                kernels = list(dev.kernels())
+            except Exception as exc:
+                why = f"kernels() failed: {describe_exception(exc)}"
+                rec.reason = why if rec.available else f"{rec.reason}; {why}"
+                rec.available = False
+                continue
+            for kernel in kernels:
+                self._register(registry, kernel, owner[rec.plugin], expect_device=dev.name)
+        for record, plugin in self._loaded_plugins():
+            for call in self._impls(plugin, "tessellm_kernels"):
+                try:
+                    kernels = list(call())
+                except Exception as exc:
+                    record.add_error(f"tessellm_kernels failed: {describe_exception(exc)}")
+                    continue
+                for kernel in kernels:
+                    self._register(registry, kernel, record, expect_device=None)
+        self._registry = registry
+        return registry
+
+    def _register(self, registry: KernelRegistry, kernel: object, record: PluginRecord,
+                  expect_device: str | None) -> None:
+        if not isinstance(kernel, Kernel):
+            record.add_error(f"PluginError: {kernel!r} is not a Kernel (ignored)")
+            return
+        if expect_device is not None and kernel.device != expect_device:
+            record.add_error(f"PluginError: device {expect_device!r} offers kernel {kernel.name!r} "
+                             f"for another device {kernel.device!r} (ignored)")
+            return
+        if kernel.device not in self._devices:
+            record.add_error(
+                f"PluginError: kernel {kernel.name!r} for op {kernel.op!r} names unknown device "
+                f"{kernel.device!r} (known: {', '.join(self._devices) or 'none'}; ignored)")
+            return
+        try:
+            registry.register(kernel)
+        except KernelError as exc:
+            record.add_error(f"{describe_exception(exc)} (ignored)")
+
+    def architectures(self) -> dict[str, Any]:
+        """HF architecture name -> builder; on a clash the first plugin wins, the later one's
+        record carries the error."""
+        self.load()
+        if self._architectures is None:
+            merged: dict[str, Any] = {}
+            source: dict[str, str] = {}
+            for record, result in self._hook_results("tessellm_architectures", dict):
+                for arch, builder in result.items():
+                    if arch in merged:
+                        record.add_error(f"PluginError: architecture {arch!r} is already provided "
+                                         f"by plugin {source[arch]!r} (ignored)")
+                        continue
+                    merged[arch], source[arch] = builder, record.name
+            self._architectures = merged
+        return dict(self._architectures)
+
+    def graph_passes(self) -> list[Any]:
+        self.load()
+        if self._graph_passes is None:
+            passes: list[Any] = []
+            for _, result in self._hook_results("tessellm_graph_passes", (list, tuple)):
+                passes.extend(result)
+            self._graph_passes = passes
+        return list(self._graph_passes)
+
+    def _hook_results(self, hook_name: str, kind: type | tuple[type, ...]) -> list[tuple[PluginRecord, Any]]:
+        out = []
+        for record, plugin in self._loaded_plugins():
+            for call in self._impls(plugin, hook_name):
+                try:
+                    result = call()
+                except Exception as exc:
+                    record.add_error(f"{hook_name} failed: {describe_exception(exc)}")
+                    continue
+                if not isinstance(result, kind):
+                    record.add_error(f"PluginError: {hook_name} returned {type(result).__name__} (ignored)")
+                    continue
+                out.append((record, result))
+        return out
+
+    # -- reporting -----------------------------------------------------------------------
+
+    def report(self) -> list[dict[str, Any]]:
+        """One JSON-able row per plugin found (`tessellm plugins --json`). Collects kernels,
+        architectures and graph passes first, so that their errors show too."""
+        self.kernel_registry()
+        self.architectures()
+        self.graph_passes()
+        return [{
+            "plugin": r.name, "value": r.value, "version": r.version, "status": r.status,
+            "error": r.error,
+            "devices": [{"name": d.name, "priority": d.priority, "available": d.available,
+                         "reason": d.reason} for d in r.devices],
+        } for r in self.records]
+
+
+def _probe(dev: DevicePlugin) -> tuple[bool, str]:
+    try:
+        availability = dev.is_available()
+        return bool(availability.available), str(availability.reason)
+    except Exception as exc:
+        return False, f"is_available() failed: {describe_exception(exc)}"

@@ -1,0 +1,108 @@
+"""CPU attention over the paged KV cache: two candidates each for decode and prefill.
+
+All read K/V through the block tables (see AttentionMetadata) and use torch's fused
+scaled_dot_product_attention (float32 accumulation inside, grouped-query heads native).
+- decode_batched_sdpa: gather every sequence's blocks into one padded batch, one SDPA call
+  with a key-padding mask.
+- decode_per_seq_sdpa: one SDPA call per sequence over exactly its keys (no padding).
+- prefill_per_seq_sdpa: one SDPA call per sequence; causal with the offset of cached context.
+- prefill_batched_sdpa: pad queries and keys of all sequences, one SDPA call with a mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessellm.plugin_api import AttentionMetadata
+
+
+def _gather_padded(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of each sequence, padded: [B, num_kv_heads, L, head_dim], L = blocks*block_size."""
+    block_size = kv_cache.shape[2]
+    n_blocks = (max_len + block_size - 1) // block_size
+    bt = block_tables[:, :n_blocks].long()
+    k = kv_cache[0][bt].flatten(1, 2).transpose(1, 2)
+    v = kv_cache[1][bt].flatten(1, 2).transpose(1, 2)
+    return k, v
+
+
+def _seq_kv(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence: [1, num_kv_heads, seq_len, head_dim]."""
+    block_size = kv_cache.shape[2]
+    blocks = table[:(seq_len + block_size - 1) // block_size].long()
+    k = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+    return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+def decode_batched_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    head_dim = kv_cache.shape[-1]
+    B = meta.num_seqs
+    k, v = _gather_padded(kv_cache, meta.block_tables, meta.max_seq_len)
+    mask = torch.arange(k.shape[2], device=q.device) < meta.seq_lens.unsqueeze(1)
+    qh = q.view(B, -1, 1, head_dim)
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask.view(B, 1, 1, -1),
+                                         scale=scale, enable_gqa=True)
+    return out.reshape(B, -1)
+
+
+def decode_per_seq_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    head_dim = kv_cache.shape[-1]
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        k, v = _seq_kv(kv_cache, meta.block_tables[i], seq_len)
+        qi = q[i].view(1, -1, 1, head_dim)
+        out[i] = F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=True).reshape(-1)
+    return out
+
+
+def _causal_offset_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool: query i (at position seq_len-q_len+i) sees keys <= its position."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
+    return torch.arange(seq_len, device=device).unsqueeze(0) <= q_pos
+
+
+def prefill_per_seq_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    head_dim = kv_cache.shape[-1]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        k, v = _seq_kv(kv_cache, meta.block_tables[i], seq_len)
+        qi = q[start:start + q_len].view(q_len, -1, head_dim).transpose(0, 1).unsqueeze(0)
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            mask = _causal_offset_mask(q_len, seq_len, q.device)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:start + q_len] = o[0].transpose(0, 1).reshape(q_len, -1)
+        start += q_len
+    return out
+
+
+def prefill_batched_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    head_dim = kv_cache.shape[-1]
+    B, max_q = meta.num_seqs, meta.max_query_len
+    k, v = _gather_padded(kv_cache, meta.block_tables, meta.max_seq_len)
+    L = k.shape[2]
+    q_lens = torch.tensor(meta.query_lens_host, device=q.device)
+    starts = meta.query_start_loc[:-1].long()
+    row = torch.arange(max_q, device=q.device)
+    valid = row.unsqueeze(0) < q_lens.unsqueeze(1)                        # [B, max_q]
+    src = (starts.unsqueeze(1) + row.unsqueeze(0)).clamp(max=q.shape[0] - 1)
+    qh = q[src].view(B, max_q, -1, head_dim).transpose(1, 2)               # [B, H, max_q, D]
+    seq_lens = meta.seq_lens.long()
+    q_pos = seq_lens.unsqueeze(1) - q_lens.unsqueeze(1) + row.unsqueeze(0)  # [B, max_q]
+    key = torch.arange(L, device=q.device)
+    mask = (key.view(1, 1, L) <= q_pos.unsqueeze(2)) & (key.view(1, 1, L) < seq_lens.view(B, 1, 1))
+    mask = mask | ~valid.unsqueeze(2) & (key.view(1, 1, L) == 0)          # padded rows see key 0
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask.unsqueeze(1), scale=scale,
+                                       enable_gqa=True)
+    return o.transpose(1, 2).reshape(B * max_q, -1)[valid.flatten()]

@@ -1,0 +1,84 @@
+"""The CPU plugin's kernels. Each has the reference op's signature; where two candidates exist
+the profiler picks the faster correct one per token bucket."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tessellm.plugin_api import Kernel
+from tessellm_cpu import attention
+
+
+def rms_norm_composite(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm_aten(x, weight, eps):
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    summed = x + residual
+    return rms_norm_aten(summed, weight, eps), summed
+
+
+def layer_norm(x, weight, bias, eps):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def silu_and_mul_chunk(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def silu_and_mul_inplace(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]).mul_(x[..., d:])
+
+
+def rotary_neox(positions, q, k, cos_sin, head_dim):
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions).to(q.dtype)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rope(x):
+        xh = x.view(x.shape[0], -1, head_dim)
+        x1, x2 = xh[..., :half], xh[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1)
+
+    return rope(q), rope(k)
+
+
+def write_kv_index_copy(k, v, kv_cache, slot_mapping):
+    _, num_blocks, block_size, nkv, hd = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, nkv, hd)
+    flat[0].index_copy_(0, slot_mapping, k.view(-1, nkv, hd).to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.view(-1, nkv, hd).to(kv_cache.dtype))
+
+
+def cpu_kernels(device: str) -> list[Kernel]:
+    def k(op: str, name: str, fn, description: str = "") -> Kernel:
+        return Kernel(op=op, name=name, fn=fn, device=device, description=description)
+
+    return [
+        k("embedding", "embedding_aten", F.embedding),
+        k("linear", "linear_aten", F.linear),
+        k("rms_norm", "rms_norm_aten", rms_norm_aten, "F.rms_norm in float32"),
+        k("rms_norm", "rms_norm_composite", rms_norm_composite, "pow/mean/rsqrt in float32"),
+        k("fused_add_rms_norm", "fused_add_rms_norm_aten", fused_add_rms_norm),
+        k("layer_norm", "layer_norm_aten", layer_norm),
+        k("add", "add_aten", torch.add),
+        k("mul", "mul_aten", torch.mul),
+        k("silu", "silu_aten", F.silu),
+        k("silu_and_mul", "silu_and_mul_chunk", silu_and_mul_chunk),
+        k("silu_and_mul", "silu_and_mul_inplace", silu_and_mul_inplace),
+        k("gelu_tanh", "gelu_tanh_aten", lambda x: F.gelu(x, approximate="tanh")),
+        k("rotary_embedding", "rotary_neox", rotary_neox),
+        k("write_kv_cache", "write_kv_index_copy", write_kv_index_copy),
+        k("attention_decode", "decode_batched_sdpa", attention.decode_batched_sdpa),
+        k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
+        k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
+        k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
+    ]
