@@ -51,7 +51,7 @@ class EngineParts:
 def model_dir_of(config: EngineConfig) -> tuple[str, bool]:
     if config.model is not None:
         return config.model, False
-    log.warning(DEMO_NOTICE)
+    log.info(DEMO_NOTICE)
     return str(ensure_demo_model(cache_root(config.cache_dir) / "demo-model")), True
 
 

@@ -1,0 +1,1 @@
+"""The `tessellm` command line."""

@@ -1,0 +1,48 @@
+"""`tessellm kernels`: the profiler's ranking per op for a model's graph on a device."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tessellm.config import EngineConfig
+from tessellm.engine.builder import build_engine_parts
+from tessellm.graph.lowering import AttentionSite, KernelSite
+from tessellm.kernels.registry import KernelQuery
+
+
+def plan_queries(plan, buckets: list[int]) -> list[KernelQuery]:
+    """Distinct KernelQueries the plan's kernel sites would issue at the given buckets."""
+    sites: list[KernelSite] = []
+    for ins in plan.instructions:
+        if isinstance(ins.fn, KernelSite):
+            sites.append(ins.fn)
+        elif isinstance(ins.fn, AttentionSite):
+            sites += [ins.fn.write, ins.fn.decode, ins.fn.prefill]
+    seen: dict[KernelQuery, None] = {}
+    for site in sites:
+        for b in buckets:
+            seen.setdefault(KernelQuery(site.op, site.dtype, b, site.dims), None)
+    return list(seen)
+
+
+def print_kernel_rankings(model: str | None, options: dict[str, Any], buckets: list[int],
+                          as_json: bool = False) -> None:
+    parts = build_engine_parts(EngineConfig(model=model, load_progress=False, **options))
+    rows = []
+    for q in plan_queries(parts.plan, buckets):
+        d = parts.selector.decide(q)
+        rows.append({"query": q.bucket_key, "choice": d.choice,
+                     "ranking": [{"kernel": c.name, "median_us": c.median_us,
+                                  "correct": c.correct, "error": c.error} for c in d.ranking]})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"device {parts.device.name}, dtype {str(parts.dtype).removeprefix('torch.')}, "
+          f"passes applied: {', '.join(parts.pass_report.applied) or 'none'}")
+    for r in rows:
+        print(r["query"])
+        for c in r["ranking"]:
+            mark = "*" if c["kernel"] == r["choice"] else " "
+            t = f"{c['median_us']:10.1f} us" if c["median_us"] is not None else "     -      "
+            why = "" if c["correct"] else f"  REJECTED: {c['error']}"
+            print(f"  {mark} {c['kernel']:<28} {t}{why}")

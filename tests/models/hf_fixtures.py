@@ -1,0 +1,230 @@
+"""Random-weight Hugging Face models of real shapes, for parity tests against transformers.
+
+Every model is small (hidden 64, 2 layers) but has the real vocabulary of its family's tokenizer,
+so embedding and LM-head shapes, special tokens and tokenization are the real ones. A model is
+deterministic: the same case always gives the same weights (its own torch.Generator, seeded per
+case), whatever else ran before.
+
+Weights are drawn by `randomize_weights`, not by transformers' initializer: HF initializes norm
+weights to 1 and biases to 0, which would leave norm and bias loading untested. Matrices get
+N(0, MATRIX_STD); 1-d norm weights 1 + N(0, 0.1); biases N(0, 0.1). With hidden 64 and
+MATRIX_STD 0.12 the logits have std ~1: greedy decoding wanders over many tokens instead of
+collapsing at once, and the top-2 margin is far above float32 noise.
+
+Tokenizers come from /work/shared/tokenizers (see its README). The GPT-2 vocabulary exists only
+as a vocab-only GGUF there; transformers needs the `gguf` package to read one, so the small
+metadata reader below rebuilds the byte-level BPE tokenizer from it instead (checked against
+llama.cpp's reference ids in test_hf_parity.py).
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# shared/ sits beside the repository (CI lays a copy there); /work/shared on the dev machines.
+_BESIDE = Path(__file__).resolve().parents[2].parent / "shared"
+SHARED = _BESIDE if _BESIDE.is_dir() else Path("/work/shared")
+TOKENIZERS = SHARED / "tokenizers"
+STORIES_260K = SHARED / "models" / "stories260K-hf"
+GPT2_GGUF = TOKENIZERS / "gguf-vocab" / "ggml-vocab-gpt-2.gguf"
+
+MATRIX_STD = 0.12
+VECTOR_STD = 0.1
+
+# --------------------------------------------------------------------------- GGUF metadata
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _GGUFReader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        raw = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == _GGUF_STRING:
+            return self.string()
+        if kind == _GGUF_ARRAY:
+            elem, count = self.scalar("<I"), self.scalar("<Q")
+            return [self.value(elem) for _ in range(count)]
+        if kind not in _GGUF_SCALARS:
+            raise ValueError(f"unknown GGUF value type {kind} at byte {self.pos}")
+        return self.scalar(_GGUF_SCALARS[kind])
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The key/value metadata of a GGUF v2/v3 file (tensor infos are not read)."""
+    reader = _GGUFReader(Path(path).read_bytes())
+    if reader.data[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    reader.pos = 4
+    version = reader.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported")
+    reader.scalar("<Q")  # tensor count
+    num_kv = reader.scalar("<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(num_kv):
+        key = reader.string()
+        meta[key] = reader.value(reader.scalar("<I"))
+    return meta
+
+
+def gpt2_tokenizer_from_gguf(path: str | Path = GPT2_GGUF) -> Any:
+    """GPT-2's byte-level BPE tokenizer (50257 tokens) rebuilt from a vocab-only GGUF."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    meta = read_gguf_metadata(path)
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    eos = tokens[meta["tokenizer.ggml.eos_token_id"]]
+    tok.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos,
+                                   unk_token=eos, model_max_length=1024)
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def llama3_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(TOKENIZERS / "llama3"))
+
+
+def llama2_tokenizer() -> Any:
+    """Llama 2's SentencePiece vocabulary (Mistral v0.1 uses the same 32000-token layout)."""
+    from transformers import LlamaTokenizer
+    return LlamaTokenizer.from_pretrained(str(TOKENIZERS / "llama2"), add_bos_token=True)
+
+
+def qwen3_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(TOKENIZERS / "qwen3"))
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One architecture variant: how to make its tokenizer and its config (given the vocab)."""
+
+    name: str
+    tokenizer: Callable[[], Any]
+    config: Callable[[Any], Any]
+    seed: int
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _llama_config(tok: Any, **overrides: Any) -> Any:
+    from transformers import LlamaConfig
+    base = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def _llama3_rope_config(tok: Any) -> Any:
+    # original_max_position_embeddings 32 puts the low/high-frequency cut-offs inside the
+    # prompts' positions, so the scaling changes the logits (checked in the test).
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}
+    return _llama_config(tok, rope_scaling=rope)
+
+
+def _mistral_config(tok: Any) -> Any:
+    from transformers import MistralConfig
+    return MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, sliding_window=4096, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, tie_word_embeddings=False,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+
+
+def _qwen2_config(tok: Any) -> Any:
+    from transformers import Qwen2Config
+    return Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True, use_sliding_window=False,
+                       eos_token_id=tok.eos_token_id)
+
+
+def _qwen3_config(tok: Any) -> Any:
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False,
+                       eos_token_id=tok.eos_token_id)
+
+
+def _gpt2_config(tok: Any) -> Any:
+    from transformers import GPT2Config
+    return GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+
+
+CASES: dict[str, ModelCase] = {c.name: c for c in (
+    ModelCase("llama", llama3_tokenizer, _llama_config, 1, "GQA 4/2, untied head"),
+    ModelCase("llama_rope3", llama3_tokenizer, _llama3_rope_config, 1,
+              "same weights as llama, rope_type llama3"),
+    ModelCase("mistral", llama2_tokenizer, _mistral_config, 2, "SentencePiece 32000"),
+    ModelCase("qwen2", qwen3_tokenizer, _qwen2_config, 3, "qkv bias, tied head"),
+    ModelCase("qwen3", qwen3_tokenizer, _qwen3_config, 4, "q/k norm, head_dim 32 != 64/4"),
+    ModelCase("gpt2", gpt2_tokenizer_from_gguf, _gpt2_config, 5, "LayerNorm, learned positions"),
+)}
+
+
+def randomize_weights(model: torch.nn.Module, seed: int) -> None:
+    """Redraw every parameter from one generator, in name order (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.dim() >= 2:
+                values = torch.randn(p.shape, generator=gen) * MATRIX_STD
+            elif name.endswith("bias"):
+                values = torch.randn(p.shape, generator=gen) * VECTOR_STD
+            else:  # RMSNorm / LayerNorm scale
+                values = 1.0 + torch.randn(p.shape, generator=gen) * VECTOR_STD
+            p.copy_(values)
+
+
+def build_hf_model(case: ModelCase, tokenizer: Any) -> torch.nn.Module:
+    """The float32 transformers model of `case`, random weights, in eval mode."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(case.config(tokenizer), dtype=torch.float32)
+    randomize_weights(model, case.seed)
+    return model.eval()
+
+
+def save_model_dir(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Path:
+    """config.json + model.safetensors + the tokenizer's files, as a hub checkpoint has them."""
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir

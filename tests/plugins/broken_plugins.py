@@ -1,0 +1,107 @@
+"""Fake plugins for the plugin-manager tests, each reached by a fake entry point
+"broken_plugins:<attribute>". Each attribute is a plugin object: a namespace carrying
+TESSELLM_API_VERSION and hook implementations, as a plugin module would."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+from tessellm.plugin_api import (
+    Availability,
+    DeviceAllocator,
+    DevicePlugin,
+    Kernel,
+    MemoryInfo,
+    SynchronousStream,
+    TransferStream,
+    hookimpl,
+)
+
+
+class FakeDevice(DevicePlugin):
+    """A host-memory device whose availability, probe and kernels are set by the test."""
+
+    torch_device_type = "cpu"
+
+    def __init__(self, name: str, priority: int = 0, available: bool = True, reason: str = "",
+                 probe_error: Exception | None = None, kernels_error: Exception | None = None) -> None:
+        self.name = name
+        self.priority = priority
+        self._availability = Availability(available, reason)
+        self._probe_error = probe_error
+        self._kernels_error = kernels_error
+        self._allocator = DeviceAllocator("cpu", 1 << 20)
+
+    def is_available(self) -> Availability:
+        if self._probe_error is not None:
+            raise self._probe_error
+        return self._availability
+
+    def memory_info(self) -> MemoryInfo:
+        return MemoryInfo(1 << 20, self._allocator.free_bytes)
+
+    def allocator(self) -> DeviceAllocator:
+        return self._allocator
+
+    def new_stream(self) -> TransferStream:
+        return SynchronousStream()
+
+    def kernels(self) -> list[Kernel]:
+        if self._kernels_error is not None:
+            raise self._kernels_error
+        return [Kernel("add", f"{self.name}_add", torch.add, self.name)]
+
+
+def _plugin(api_version: str | None = "1.0", **hooks: Callable[[], Any]) -> SimpleNamespace:
+    attrs: dict[str, Any] = {name: hookimpl(fn) for name, fn in hooks.items()}
+    if api_version is not None:
+        attrs["TESSELLM_API_VERSION"] = api_version
+    return SimpleNamespace(**attrs)
+
+
+def _devices(*devices: DevicePlugin) -> Callable[[], list[DevicePlugin]]:
+    def tessellm_devices() -> list[DevicePlugin]:
+        return list(devices)
+    return tessellm_devices
+
+
+def _raise(exc: Exception) -> Callable[[], Any]:
+    def hook() -> Any:
+        raise exc
+    return hook
+
+
+def _returning(value: Any) -> Callable[[], Any]:
+    def hook() -> Any:
+        return value
+    return hook
+
+
+future_api = _plugin("2.0", tessellm_devices=_devices(FakeDevice("future")))
+no_api = _plugin(None, tessellm_devices=_devices(FakeDevice("undeclared")))
+minor_newer = _plugin("1.7", tessellm_devices=_devices(FakeDevice("minor")))
+
+fast = _plugin(tessellm_devices=_devices(FakeDevice("fast", priority=100)))
+slow = _plugin(tessellm_devices=_devices(FakeDevice("slow", priority=5)))
+best_but_absent = _plugin(tessellm_devices=_devices(
+    FakeDevice("best", priority=1000, available=False, reason="no best-accelerator found on the PCI bus")))
+flaky_probe = _plugin(tessellm_devices=_devices(
+    FakeDevice("flaky", probe_error=RuntimeError("driver exploded"))))
+kernels_missing = _plugin(tessellm_devices=_devices(
+    FakeDevice("nokern", priority=500, kernels_error=ImportError("No module named 'fancy_kernels'"))))
+duplicate_fast = _plugin(tessellm_devices=_devices(FakeDevice("fast", priority=1)))
+devices_hook_raises = _plugin(tessellm_devices=_raise(ValueError("cannot enumerate devices")))
+typo_hook = _plugin(tessellm_devicez=_devices(FakeDevice("typo")))
+
+extra_kernels = _plugin(tessellm_kernels=_returning([
+    Kernel("add", "extra_add", torch.add, "fast"),
+    Kernel("add", "tpu_add", torch.add, "tpu9000"),
+]))
+kernels_hook_raises = _plugin(tessellm_kernels=_raise(RuntimeError("kernel build failed")))
+
+archs_a = _plugin(tessellm_architectures=_returning({"ToyForCausalLM": "builder_a"}),
+                  tessellm_graph_passes=_returning(["pass_a"]))
+archs_b = _plugin(tessellm_architectures=_returning({"ToyForCausalLM": "builder_b", "OtherLM": "builder_o"}),
+                  tessellm_graph_passes=_returning(["pass_b"]))

@@ -1,0 +1,182 @@
+"""The plugin manager: discovery through entry points, API version check, loud probing."""
+from __future__ import annotations
+
+import json
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import pytest
+
+from tessellm.errors import ConfigError, DeviceUnavailableError
+from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP
+from tessellm.plugins import PluginManager, PluginRecord
+
+
+def ep(name: str, value: str) -> EntryPoint:
+    return EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP)
+
+
+def fake(*names: str) -> list[EntryPoint]:
+    return [ep(n, f"broken_plugins:{n}") for n in names]
+
+
+def record(pm: PluginManager, name: str) -> PluginRecord:
+    return next(r for r in pm.records if r.name == name)
+
+
+# -- real entry points -------------------------------------------------------------------
+
+def test_installed_sim_and_cpu_are_discovered_through_entry_points() -> None:
+    pm = PluginManager().load()
+    sim = record(pm, "sim")
+    assert (sim.status, sim.error, sim.value) == ("loaded", None, "tessellm_sim.plugin")
+    assert sim.version == "0.1.0"
+    assert [(d.name, d.priority, d.available) for d in sim.devices] == [("sim", -10, True)]
+    assert record(pm, "cpu").value == "tessellm_cpu.plugin"
+    assert pm.select_device("sim").name == "sim"
+    ops = pm.kernel_registry().ops("sim")
+    assert "silu_and_mul" in ops and "fused_add_rms_norm" not in ops
+
+
+def test_load_is_idempotent() -> None:
+    pm = PluginManager(fake("fast"))
+    assert pm.load() is pm
+    pm.load()
+    assert [r.name for r in pm.records] == ["fast"]
+
+
+# -- failures are reported, not dropped --------------------------------------------------
+
+def test_plugin_that_raises_on_import_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "explodes_on_import.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pm = PluginManager([ep("boom", "explodes_on_import"), *fake("fast")]).load()
+    boom = record(pm, "boom")
+    assert (boom.status, boom.error) == ("error", "RuntimeError: boom at import")
+    assert boom.version == "unknown" and boom.devices == []
+    assert list(pm.devices()) == ["fast"]
+
+
+def test_missing_module_is_reported() -> None:
+    pm = PluginManager([ep("ghost", "tessellm_no_such_plugin.plugin")]).load()
+    rec = record(pm, "ghost")
+    assert rec.status == "error"
+    assert rec.error is not None and rec.error.startswith("ModuleNotFoundError: ")
+    assert "tessellm_no_such_plugin" in rec.error
+
+
+def test_other_major_api_version_is_refused_naming_both_versions() -> None:
+    pm = PluginManager(fake("future_api", "no_api", "minor_newer")).load()
+    future = record(pm, "future_api")
+    assert future.status == "refused"
+    assert "2.0" in future.error and API_VERSION in future.error
+    no_api = record(pm, "no_api")
+    assert no_api.status == "refused" and "no TESSELLM_API_VERSION" in no_api.error
+    assert record(pm, "minor_newer").status == "loaded"
+    assert set(pm.devices()) == {"minor"}  # refused plugins' hooks never ran
+
+
+def test_refused_plugin_is_not_registered() -> None:
+    pm = PluginManager(fake("future_api")).load()
+    assert pm.devices() == {}
+    with pytest.raises(ConfigError, match="future_api"):
+        pm.select_device("future")
+
+
+def test_devices_hook_that_raises_is_an_error() -> None:
+    pm = PluginManager(fake("devices_hook_raises")).load()
+    rec = record(pm, "devices_hook_raises")
+    assert rec.status == "error" and "ValueError: cannot enumerate devices" in rec.error
+
+
+def test_unknown_hook_name_is_an_error() -> None:
+    rec = record(PluginManager(fake("typo_hook")).load(), "typo_hook")
+    assert rec.status == "error" and "tessellm_devicez" in rec.error
+
+
+def test_same_device_name_twice_is_an_error_on_the_second_plugin() -> None:
+    pm = PluginManager(fake("fast", "duplicate_fast")).load()
+    assert record(pm, "fast").status == "loaded"
+    dup = record(pm, "duplicate_fast")
+    assert dup.status == "error" and "'fast'" in dup.error and "already provided by plugin 'fast'" in dup.error
+    assert pm.devices()["fast"].priority == 100
+
+
+def test_probe_that_raises_makes_the_device_unavailable_with_the_error() -> None:
+    pm = PluginManager(fake("flaky_probe")).load()
+    (dev,) = record(pm, "flaky_probe").devices
+    assert not dev.available and "RuntimeError: driver exploded" in dev.reason
+    with pytest.raises(DeviceUnavailableError, match="driver exploded"):
+        pm.select_device("flaky")
+
+
+# -- selection ---------------------------------------------------------------------------
+
+def test_auto_picks_highest_priority_available_device() -> None:
+    pm = PluginManager(fake("slow", "best_but_absent", "fast", "kernels_missing")).load()
+    assert pm.select_device("auto").name == "fast"
+
+
+def test_auto_without_any_available_device_says_why() -> None:
+    pm = PluginManager(fake("best_but_absent")).load()
+    with pytest.raises(DeviceUnavailableError, match="no best-accelerator found"):
+        pm.select_device("auto")
+
+
+def test_unknown_device_lists_devices_and_failed_plugins() -> None:
+    pm = PluginManager([*fake("fast", "slow", "future_api"), ep("ghost", "tessellm_no_such_plugin")]).load()
+    with pytest.raises(ConfigError) as info:
+        pm.select_device("nope")
+    message = str(info.value)
+    for expected in ("'nope'", "fast", "slow", "future_api", "2.0", "ghost", "ModuleNotFoundError"):
+        assert expected in message
+
+
+def test_unavailable_device_raises_with_its_reason() -> None:
+    pm = PluginManager(fake("best_but_absent")).load()
+    assert "best" in pm.devices()  # known, though unavailable
+    with pytest.raises(DeviceUnavailableError, match="no best-accelerator found on the PCI bus"):
+        pm.select_device("best")
+
+
+# -- contributions -----------------------------------------------------------------------
+
+def test_device_whose_kernels_fail_to_import_becomes_unavailable() -> None:
+    pm = PluginManager(fake("kernels_missing", "fast")).load()
+    registry = pm.kernel_registry()
+    (dev,) = record(pm, "kernels_missing").devices
+    assert not dev.available and "ImportError: No module named 'fancy_kernels'" in dev.reason
+    assert not registry.has_op("nokern", "add")
+    with pytest.raises(DeviceUnavailableError, match="fancy_kernels"):
+        pm.select_device("nokern")
+
+
+def test_kernels_for_unknown_device_are_reported_and_known_ones_registered_after_the_devices() -> None:
+    pm = PluginManager(fake("fast", "extra_kernels", "kernels_hook_raises")).load()
+    registry = pm.kernel_registry()
+    assert [k.name for k in registry.kernels("fast", "add")] == ["fast_add", "extra_add"]
+    extra = record(pm, "extra_kernels")
+    assert extra.status == "loaded" and "tpu9000" in extra.error and "tpu_add" in extra.error
+    assert "RuntimeError: kernel build failed" in record(pm, "kernels_hook_raises").error
+    assert pm.kernel_registry() is registry  # built once: errors recorded once
+    assert extra.error.count("tpu9000") == 1
+
+
+def test_architectures_and_graph_passes_are_merged_first_wins() -> None:
+    pm = PluginManager(fake("archs_a", "archs_b")).load()
+    assert pm.architectures() == {"ToyForCausalLM": "builder_a", "OtherLM": "builder_o"}
+    assert pm.graph_passes() == ["pass_a", "pass_b"]
+    assert "ToyForCausalLM" in record(pm, "archs_b").error
+    assert record(pm, "archs_a").error is None
+
+
+def test_report_is_json_and_shows_every_plugin() -> None:
+    pm = PluginManager([*fake("fast", "future_api", "flaky_probe"), ep("ghost", "tessellm_no_such_plugin")])
+    rows = json.loads(json.dumps(pm.report()))
+    by_name = {row["plugin"]: row for row in rows}
+    assert set(by_name) == {"fast", "future_api", "flaky_probe", "ghost"}
+    assert by_name["fast"]["devices"] == [{"name": "fast", "priority": 100, "available": True, "reason": ""}]
+    assert by_name["future_api"]["status"] == "refused"
+    assert by_name["ghost"]["status"] == "error"
+    assert by_name["flaky_probe"]["devices"][0]["available"] is False
+    assert set(rows[0]) == {"plugin", "value", "version", "status", "error", "devices"}
