@@ -58,8 +58,13 @@ class LLM:
             for r in requests:
                 self.engine.abort(r.request_id)
             raise
-        while self.engine.has_unfinished():
-            self.engine.step()
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        finally:  # on a failed step, the other requests of this call are aborted too
+            for r in requests:
+                if not r.is_finished:
+                    self.engine.abort(r.request_id)
         return [RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                               self.decode(r.output_token_ids), r.finish_reason.value)
                 for r in requests]

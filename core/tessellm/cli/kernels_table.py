@@ -32,7 +32,7 @@ def print_kernel_rankings(model: str | None, options: dict[str, Any], buckets: l
     for q in plan_queries(parts.plan, buckets):
         d = parts.selector.decide(q)
         rows.append({"query": q.bucket_key, "choice": d.choice,
-                     "ranking": [{"kernel": c.name, "median_us": c.median_us,
+                     "ranking": [{"kernel": c.name, "best_us": c.best_us,
                                   "correct": c.correct, "error": c.error} for c in d.ranking]})
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -43,6 +43,6 @@ def print_kernel_rankings(model: str | None, options: dict[str, Any], buckets: l
         print(r["query"])
         for c in r["ranking"]:
             mark = "*" if c["kernel"] == r["choice"] else " "
-            t = f"{c['median_us']:10.1f} us" if c["median_us"] is not None else "     -      "
+            t = f"{c['best_us']:10.1f} us" if c["best_us"] is not None else "     -      "
             why = "" if c["correct"] else f"  REJECTED: {c['error']}"
             print(f"  {mark} {c['kernel']:<28} {t}{why}")

@@ -9,10 +9,18 @@ from dataclasses import dataclass
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner
-from tessellm.errors import InvalidRequestError
+from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig
+
+
+class StepError(TessellmError, RuntimeError):
+    """An engine step raised; `failed` are the requests of that step (finished with ERROR)."""
+
+    def __init__(self, message: str, failed: list[Request]) -> None:
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass(slots=True)
@@ -72,7 +80,14 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled, token_ids = self.runner.execute(out, self.kv)
+        try:
+            sampled, token_ids = self.runner.execute(out, self.kv)
+        except Exception as exc:
+            # Only this step's requests fail; their blocks are freed and the engine goes on.
+            failed = self.scheduler.finish_requests(
+                [s.request.request_id for s in out.scheduled], FinishReason.ERROR)
+            raise StepError(f"engine step failed for {len(failed)} request(s): "
+                            f"{type(exc).__name__}: {exc}", failed) from exc
         self._count(out, token_ids)
         return self.scheduler.update_from_output(
             out, {r.request_id: t for r, t in zip(sampled, token_ids)})

@@ -4,7 +4,7 @@ For a concrete KernelQuery (op, dtype, token bucket, model dims) on the active d
 selector either takes the first supported candidate (`first`), a named kernel (`{op: name}`),
 or profiles (`profile`): each candidate runs on seeded example inputs, its output is compared
 with the reference op (a wrong kernel is rejected and the reason kept), and the fastest correct
-one wins (median of timed runs after warm-up, with device synchronization). Decisions and
+one wins (minimum over interleaved timed rounds, with device synchronization). Decisions and
 rankings are cached in memory and on disk, keyed by device, library versions, the candidate set
 and the query, so a restart does not re-profile.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ def token_bucket(num_tokens: int) -> int:
 @dataclass(slots=True)
 class Candidate:
     name: str
-    median_us: float | None
+    best_us: float | None  # minimum time over interleaved rounds, microseconds
     correct: bool
     error: str = ""
 
@@ -155,35 +154,46 @@ class KernelSelector:
         ref_args = _clone_args(args)
         expected = _outputs(query.op, ref_args, REFERENCE_OPS[query.op](*ref_args))
         rtol, atol = TOLERANCES.get(query.dtype, (1e-5, 1e-4))
-        ranking = []
-        for k in candidates:
-            ranking.append(self._measure(k, query.op, args, expected, rtol, atol))
-        correct = sorted((c for c in ranking if c.correct), key=lambda c: c.median_us)
-        if not correct:
+        checked = [self._check(k, query.op, args, expected, rtol, atol) for k in candidates]
+        rejected = [c for c, _ in checked if not c.correct]
+        timed = [(c, k_args) for c, k_args in checked if c.correct]
+        if not timed:
             raise KernelError(f"every kernel for {query.bucket_key} on {self.device_name!r} "
                               f"disagrees with the reference: "
-                              + "; ".join(f"{c.name}: {c.error}" for c in ranking))
-        ranking.sort(key=lambda c: (not c.correct, c.median_us or 0.0))
-        return Decision(correct[0].name, ranking)
-
-    def _measure(self, kernel: Kernel, op: str, args: list[Any], expected: list[torch.Tensor],
-                 rtol: float, atol: float) -> Candidate:
-        try:
-            run_args = _clone_args(args)
-            got = _outputs(op, run_args, kernel.fn(*run_args))
-            for g, e in zip(got, expected, strict=True):
-                if g.shape != e.shape or not torch.allclose(g.float(), e.float(), rtol=rtol, atol=atol):
-                    diff = (g.float() - e.float()).abs().max().item() if g.shape == e.shape else "shape"
-                    return Candidate(kernel.name, None, False, f"output differs from reference "
-                                     f"(max abs diff {diff}, rtol {rtol}, atol {atol})")
-            times = []
-            deadline = time.perf_counter() + self.min_time_s
-            while len(times) < 3 or (time.perf_counter() < deadline and len(times) < self.max_reps):
+                              + "; ".join(f"{c.name}: {c.error}" for c in rejected))
+        fns = {k.name: k.fn for k in candidates}
+        samples: dict[str, list[float]] = {c.name: [] for c, _ in timed}
+        deadline = time.perf_counter() + self.min_time_s * len(timed)
+        # Interleaved rounds: interference from other processes hits every candidate alike;
+        # the minimum is the estimate least disturbed by it.
+        for rnd in range(self.max_reps):
+            if rnd >= 3 and time.perf_counter() > deadline:
+                break
+            for c, k_args in timed:
                 self.synchronize()
                 t0 = time.perf_counter()
-                kernel.fn(*run_args)
+                fns[c.name](*k_args)
                 self.synchronize()
-                times.append(time.perf_counter() - t0)
-            return Candidate(kernel.name, statistics.median(times[1:]) * 1e6, True)
+                samples[c.name].append(time.perf_counter() - t0)
+        for c, _ in timed:
+            c.best_us = min(samples[c.name]) * 1e6
+        ranking = sorted((c for c, _ in timed), key=lambda c: c.best_us) + rejected
+        return Decision(ranking[0].name, ranking)
+
+    def _check(self, kernel: Kernel, op: str, args: list[Any], expected: list[torch.Tensor],
+               rtol: float, atol: float) -> tuple[Candidate, list[Any]]:
+        """Run once on a private copy of the inputs and compare with the reference."""
+        run_args = _clone_args(args)
+        try:
+            got = _outputs(op, run_args, kernel.fn(*run_args))
+            for g, e in zip(got, expected, strict=True):
+                if g.shape != e.shape:
+                    return Candidate(kernel.name, None, False,
+                                     f"output shape {tuple(g.shape)} != reference {tuple(e.shape)}"), run_args
+                if not torch.allclose(g.float(), e.float(), rtol=rtol, atol=atol):
+                    diff = (g.float() - e.float()).abs().max().item()
+                    return Candidate(kernel.name, None, False, f"output differs from reference "
+                                     f"(max abs diff {diff:.3g}, rtol {rtol}, atol {atol})"), run_args
         except Exception as e:  # a crashing candidate is reported and skipped, never chosen
-            return Candidate(kernel.name, None, False, f"{type(e).__name__}: {e}")
+            return Candidate(kernel.name, None, False, f"{type(e).__name__}: {e}"), run_args
+        return Candidate(kernel.name, None, True), run_args

@@ -78,6 +78,7 @@ def cpu_kernels(device: str) -> list[Kernel]:
         k("rotary_embedding", "rotary_neox", rotary_neox),
         k("write_kv_cache", "write_kv_index_copy", write_kv_index_copy),
         k("attention_decode", "decode_batched_sdpa", attention.decode_batched_sdpa),
+        k("attention_decode", "decode_batched_bmm", attention.decode_batched_bmm),
         k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
         k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),

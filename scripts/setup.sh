@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: a virtual environment in .venv with tessellm, its CPU
+# plugin, the test dependencies and the out-of-tree test plugin (tessellm-sim).
+# torch is pinned to the CPU wheel (2.13.0) so pip does not pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e tests/plugins/tessellm_sim
