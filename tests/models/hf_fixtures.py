@@ -11,16 +11,14 @@ N(0, MATRIX_STD); 1-d norm weights 1 + N(0, 0.1); biases N(0, 0.1). With hidden 
 MATRIX_STD 0.12 the logits have std ~1: greedy decoding wanders over many tokens instead of
 collapsing at once, and the top-2 margin is far above float32 noise.
 
-Tokenizers come from /work/shared/tokenizers (see its README). The GPT-2 vocabulary exists only
-as a vocab-only GGUF there; transformers needs the `gguf` package to read one, so the small
-metadata reader below rebuilds the byte-level BPE tokenizer from it instead (checked against
-llama.cpp's reference ids in test_hf_parity.py).
+Tokenizers come from ../shared/tokenizers (see its README). The GPT-2 vocabulary exists only
+as a vocab-only GGUF there; transformers reads it through the `gguf` package (a test extra;
+checked against llama.cpp's reference ids in test_hf_parity.py).
 """
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,72 +34,10 @@ GPT2_GGUF = TOKENIZERS / "gguf-vocab" / "ggml-vocab-gpt-2.gguf"
 MATRIX_STD = 0.12
 VECTOR_STD = 0.1
 
-# --------------------------------------------------------------------------- GGUF metadata
-
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class _GGUFReader:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def scalar(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.data, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        n = self.scalar("<Q")
-        raw = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return raw.decode("utf-8")
-
-    def value(self, kind: int) -> Any:
-        if kind == _GGUF_STRING:
-            return self.string()
-        if kind == _GGUF_ARRAY:
-            elem, count = self.scalar("<I"), self.scalar("<Q")
-            return [self.value(elem) for _ in range(count)]
-        if kind not in _GGUF_SCALARS:
-            raise ValueError(f"unknown GGUF value type {kind} at byte {self.pos}")
-        return self.scalar(_GGUF_SCALARS[kind])
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF v2/v3 file (tensor infos are not read)."""
-    reader = _GGUFReader(Path(path).read_bytes())
-    if reader.data[:4] != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    reader.pos = 4
-    version = reader.scalar("<I")
-    if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} is not supported")
-    reader.scalar("<Q")  # tensor count
-    num_kv = reader.scalar("<Q")
-    meta: dict[str, Any] = {}
-    for _ in range(num_kv):
-        key = reader.string()
-        meta[key] = reader.value(reader.scalar("<I"))
-    return meta
-
-
 def gpt2_tokenizer_from_gguf(path: str | Path = GPT2_GGUF) -> Any:
-    """GPT-2's byte-level BPE tokenizer (50257 tokens) rebuilt from a vocab-only GGUF."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    meta = read_gguf_metadata(path)
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    eos = tokens[meta["tokenizer.ggml.eos_token_id"]]
-    tok.add_special_tokens([AddedToken(eos, special=True, normalized=False)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos,
-                                   unk_token=eos, model_max_length=1024)
+    """GPT-2's byte-level BPE tokenizer (50257 tokens) from the vocab-only GGUF."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -135,7 +71,6 @@ class ModelCase:
     config: Callable[[Any], Any]
     seed: int
     notes: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _llama_config(tok: Any, **overrides: Any) -> Any:

@@ -11,11 +11,12 @@ the logits it receives (first call of a one-prompt request = the prompt's last p
 """
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,13 @@ PROMPTS = (
 NUM_GREEDY = 32
 FP32_LOGITS_ATOL = 1e-4
 GREEDY = SamplingParams(max_tokens=NUM_GREEDY, temperature=0.0, ignore_eos=True)
-ENGINE_OPTIONS = dict(device="cpu", load_progress=False, max_num_seqs=4, block_size=16,
-                      num_kv_blocks=64)
+ENGINE_OPTIONS = dict(max_num_seqs=4, block_size=16, num_kv_blocks=64)
+
+
+def make_llm(path: Path, cache_dir: Path, **options: Any) -> LLM:
+    """An engine on the CPU (its KV pool is uninitialized memory, as in production)."""
+    return LLM(model=str(path), device="cpu", load_progress=False, cache_dir=str(cache_dir),
+               **options)
 
 
 @dataclass
@@ -46,13 +52,19 @@ class Built:
     tokenizer: Any
     hf: torch.nn.Module
     path: Path
-    _llms: dict[str, LLM]
+    llms: dict[str, LLM] = field(default_factory=dict)
+    hf_bf16_model: torch.nn.Module | None = None
 
     def llm(self, dtype: str, cache_dir: Path) -> LLM:
-        if dtype not in self._llms:
-            self._llms[dtype] = LLM(model=str(self.path), dtype=dtype, cache_dir=str(cache_dir),
-                                    **ENGINE_OPTIONS)
-        return self._llms[dtype]
+        if dtype not in self.llms:
+            self.llms[dtype] = make_llm(self.path, cache_dir, dtype=dtype, **ENGINE_OPTIONS)
+        return self.llms[dtype]
+
+    def hf_bf16(self) -> torch.nn.Module:
+        """HF in bfloat16: the float32 weights rounded, as loading with dtype=bfloat16 does."""
+        if self.hf_bf16_model is None:
+            self.hf_bf16_model = copy.deepcopy(self.hf).to(torch.bfloat16)
+        return self.hf_bf16_model
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
@@ -65,22 +77,22 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Built]]:
-    """Lazily built cases, each once per session: `built(models, name)`."""
+def models() -> Iterator[dict[str, Built]]:
+    """The cases built so far this session (see `built`): each model is built once."""
     cache: dict[str, Built] = {}
     yield cache
     cache.clear()
 
 
-def built(models: dict[str, Built], name: str,
-          factory: pytest.TempPathFactory) -> Built:
+def built(models: dict[str, Built], name: str, factory: pytest.TempPathFactory) -> Built:
+    """The case `name`, built and saved on first use."""
     if name not in models:
         case = CASES[name]
         tok = case.tokenizer()
         hf = build_hf_model(case, tok)
         path = save_model_dir(hf, tok, factory.mktemp(name))
         hf.generation_config.eos_token_id = None  # HF greedy must not stop or mask EOS
-        models[name] = Built(name, tok, hf, path, {})
+        models[name] = Built(name, tok, hf, path)
     return models[name]
 
 
@@ -108,12 +120,14 @@ def recorded_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
         llm.engine.runner.sampler = sampler
 
 
-def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """tessellm's logits [vocab] at the last position of `ids`, in the engine's dtype."""
+def prefill_logits_and_token(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, int]:
+    """tessellm's logits [vocab] at the last position of `ids` (in the engine's dtype) and the
+    greedy token the engine sampled from them."""
     with recorded_logits(llm) as seen:
-        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0,
+                                                 ignore_eos=True))[0]
     assert len(seen) == 1 and seen[0].shape[0] == 1, [tuple(t.shape) for t in seen]
-    return seen[0][0]
+    return seen[0][0], out.token_ids[0]
 
 
 @torch.inference_mode()
@@ -164,9 +178,10 @@ def test_prefill_logits_match_hf(model: Built, cache_dir: Path) -> None:
     vocab = llm.engine.parts.spec.vocab_size
     prompts = [model.encode(p) for p in PROMPTS] + [random_prompt(vocab, 40, seed=7)]
     for ids in prompts:
-        ours, theirs = prefill_logits(llm, ids), hf_logits(model.hf, ids)
+        (ours, token), theirs = prefill_logits_and_token(llm, ids), hf_logits(model.hf, ids)
         assert ours.dtype == torch.float32 and ours.shape == theirs.shape
         torch.testing.assert_close(ours, theirs, atol=FP32_LOGITS_ATOL, rtol=0)
+        assert token == theirs.argmax().item()
 
 
 def test_llama3_rope_scaling_changes_the_model(models: dict[str, Built],
@@ -194,42 +209,48 @@ def test_gpt2_gguf_tokenizer_matches_llama_cpp() -> None:
 
 # --------------------------------------------------------------------------- bfloat16
 
-# Measured (this file's models and prompts, CPU kernels vs transformers 5.24, torch 2.13):
-# max|diff| / std(HF logits) was at most MEASURED_BF16 over all cases and prompts. Both sides
-# round weights and activations to bf16 (8-bit mantissa, 2^-8 ~ 0.4% per rounding) but at
-# different points (fused kernels, fp32 accumulation order), so the logits differ by a few
-# bf16 ulps of values of size ~std. The bound keeps ~3x margin over the measurement.
-BF16_REL_STD = 0.05
-BF16_ABS = 0.02
-TOP2_MARGIN_FOR_ARGMAX = 0.25  # in units of std(logits); far above the measured max diff
+# Tolerance, from measurement (CPU kernels vs transformers 5.24, torch 2.13; the 3 PROMPTS plus
+# random 100-token prompts, all 6 cases): std(logits) ~ 1 and |logits| < 8, where one bf16 ulp
+# is 2^-5 = 0.031. Both sides round weights, activations and the logits themselves to bf16
+# (8-bit mantissa, 2^-9 ~ 0.2% relative per rounding) at different points (fused kernels,
+# accumulation order), so they differ by a few ulps:
+#   max|tessellm - HF bf16|           <= 0.107 std (0.03-0.08 std on PROMPTS)
+#   max|tessellm - HF fp32| / max|HF bf16 - HF fp32| <= 1.7
+# The bounds below keep ~1.5-2x margin over those worst cases: tessellm's bf16 must be as
+# close to HF's bf16 as HF's own rounding noise allows, and no less accurate than HF's bf16.
+BF16_REL_STD = 0.1
+BF16_ABS = 0.05
+BF16_ERROR_RATIO = 2.0
+NUM_BF16_RANDOM_PROMPTS = 5
 
 
 @pytest.mark.parametrize("model", ALL_CASES, indirect=True)
 def test_bf16_prefill_logits_close_to_hf(model: Built, cache_dir: Path) -> None:
     llm = model.llm("bfloat16", cache_dir)
-    hf16 = _hf_bf16(model)
+    assert llm.engine.parts.dtype == torch.bfloat16
+    hf16 = model.hf_bf16()
+    vocab = len(model.tokenizer)
+    prompts = [model.encode(p) for p in PROMPTS]
+    prompts += [random_prompt(vocab, 16, seed=s) for s in range(NUM_BF16_RANDOM_PROMPTS)]
     checked_argmax = 0
-    for prompt in PROMPTS:
-        ids = model.encode(prompt)
-        ours, theirs = prefill_logits(llm, ids).float(), hf_logits(hf16, ids).float()
+    for ids in prompts:
+        ours_raw, token = prefill_logits_and_token(llm, ids)
+        assert ours_raw.dtype == torch.bfloat16
+        ours, theirs = ours_raw.float(), hf_logits(hf16, ids).float()
+        exact = hf_logits(model.hf, ids)
+        assert torch.isfinite(ours).all()
         std = theirs.std().item()
         diff = (ours - theirs).abs().max().item()
         assert diff <= BF16_REL_STD * std + BF16_ABS, (diff, std)
+        our_error = (ours - exact).abs().max().item()
+        hf_error = (theirs - exact).abs().max().item()
+        assert our_error <= BF16_ERROR_RATIO * hf_error + 0.02, (our_error, hf_error)
+        # Greedy through the engine agrees with HF wherever rounding cannot swap the top two.
         top2 = theirs.topk(2).values
-        if (top2[0] - top2[1]).item() > TOP2_MARGIN_FOR_ARGMAX * std:
+        if (top2[0] - top2[1]).item() > 2 * diff:
             checked_argmax += 1
-            assert ours.argmax().item() == theirs.argmax().item()
-            out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0,
-                                                      ignore_eos=True))[0]
-            assert out.token_ids == [theirs.argmax().item()]
+            assert token == theirs.argmax().item()
     assert checked_argmax >= 1
-
-
-def _hf_bf16(model: Built) -> torch.nn.Module:
-    if not hasattr(model, "_hf_bf16"):
-        import copy
-        model._hf_bf16 = copy.deepcopy(model.hf).to(torch.bfloat16)  # type: ignore[attr-defined]
-    return model._hf_bf16  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- stories260K
@@ -237,8 +258,7 @@ def _hf_bf16(model: Built) -> torch.nn.Module:
 
 def test_stories260k_reference_greedy(cache_dir: Path) -> None:
     ref = json.loads((STORIES_260K / "reference_greedy.json").read_text(encoding="utf-8"))
-    llm = LLM(model=str(STORIES_260K), device="cpu", dtype="float32", load_progress=False,
-              cache_dir=str(cache_dir))
+    llm = make_llm(STORIES_260K, cache_dir, dtype="float32")
     prompt_ids = llm.encode(ref["prompt"])
     assert ref["add_bos"] and prompt_ids[0] == llm.tokenizer.bos_token_id
     n = ref["max_new_tokens"]
@@ -269,11 +289,34 @@ def test_continuous_batching_with_preemption_matches_alone(
     alone_llm = model.llm("float32", cache_dir)
     alone = [alone_llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
 
-    tight = LLM(model=str(model.path), device="cpu", dtype="float32", load_progress=False,
-                cache_dir=str(cache_dir), block_size=4, num_kv_blocks=60,
-                max_num_batched_tokens=32, max_num_seqs=8)
+    tight = make_llm(model.path, cache_dir, dtype="float32", block_size=4, num_kv_blocks=60,
+                     max_num_batched_tokens=32, max_num_seqs=8)
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == alone
     assert [len(o.token_ids) for o in outs] == [sp.max_tokens for sp in params]
     assert tight.engine.stats.num_preemptions > 0
     assert tight.engine.kv.num_free_blocks == tight.engine.kv.num_blocks
+
+
+# ------------------------------------------------------------- uninitialized KV memory
+
+STORIES_GREEDY_8 = [432, 383, 286, 261, 376, 298, 315, 421]  # reference_greedy.json, tokens 6..13
+
+
+@pytest.mark.parametrize("decode, prefill", [
+    pytest.param("decode_per_seq_sdpa", "prefill_per_seq_sdpa", id="per_seq-control"),
+    pytest.param("decode_batched_sdpa", "prefill_per_seq_sdpa", id="decode_batched_sdpa"),
+    pytest.param("decode_batched_bmm", "prefill_per_seq_sdpa", id="decode_batched_bmm"),
+    pytest.param("decode_per_seq_sdpa", "prefill_batched_sdpa", id="prefill_batched_sdpa"),
+])
+def test_unwritten_kv_slots_never_reach_the_output(decode: str, prefill: str,
+                                                   cache_dir: Path) -> None:
+    """Whatever the pool holds in slots no request has written must not change any token."""
+    llm = LLM(model=str(STORIES_260K), device="cpu", dtype="float32", load_progress=False,
+              cache_dir=str(cache_dir),
+              kernel_selection={"attention_decode": decode, "attention_prefill": prefill})
+    for cache in llm.engine.runner.kv_caches:
+        cache.fill_(float("nan"))
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0.0,
+                                                            ignore_eos=True))[0]
+    assert out.token_ids == STORIES_GREEDY_8

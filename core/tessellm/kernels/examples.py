@@ -57,6 +57,21 @@ def make_attention_metadata(query_lens: list[int], seq_lens: list[int], block_si
     return meta, num_blocks
 
 
+def poison_unwritten_slots(cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Fill every slot no sequence covers with NaN (floating caches): a kernel that lets
+    unwritten slots reach its output then fails the profiler's reference check."""
+    if not cache.dtype.is_floating_point:
+        return
+    _, num_blocks, block_size, _, _ = cache.shape
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    tables = meta.block_tables.cpu()
+    for i, seq_len in enumerate(meta.seq_lens_host):
+        for p in range(seq_len):
+            used[int(tables[i, p // block_size]) * block_size + p % block_size] = True
+    flat = cache.view(2, num_blocks * block_size, -1)
+    flat[:, ~used.to(cache.device)] = float("nan")
+
+
 def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> list[Any]:
     T, dt = query.num_tokens, query.dtype
     nh, nkv, hd = query.dim("num_heads"), query.dim("num_kv_heads"), query.dim("head_dim")
@@ -69,6 +84,7 @@ def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> li
         nd = 0
     meta, nblocks = make_attention_metadata(qlens, slens, EXAMPLE_BLOCK_SIZE, nd, dev, gen)
     cache = _randn(gen, (2, nblocks, EXAMPLE_BLOCK_SIZE, nkv, hd), dt, dev)
+    poison_unwritten_slots(cache, meta)
     return [_randn(gen, (T, nh * hd), dt, dev), cache, meta, 1.0 / math.sqrt(hd)]
 
 

@@ -1,0 +1,9 @@
+"""Makes hf_fixtures (next to this file) importable whatever pytest's import mode."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
