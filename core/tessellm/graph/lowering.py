@@ -103,6 +103,8 @@ def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype) -> Execu
             raise KernelError(f"cannot lower node kind {node.op!r}")
     last_use: dict[int, int] = {}
     for idx, (node, _) in enumerate(pending):
+        last_use[slot_of[node]] = idx  # a result nobody reads is released at once
+    for idx, (node, _) in enumerate(pending):
         for a in node.all_input_nodes:
             if a.op == "call_function":
                 last_use[slot_of[a]] = idx

@@ -99,12 +99,15 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         w = _randn(gen, (d["out_features"], d["in_features"]), dt, dev, d["in_features"] ** -0.5)
         b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
         return [_randn(gen, (T, d["in_features"]), dt, dev), w, b]
-    if op == "rms_norm":
-        return [_randn(gen, (T, d["hidden"]), dt, dev), _randn(gen, (d["hidden"],), dt, dev), 1e-6]
+    if op == "rms_norm":  # the last row is zero: a kernel that ignores eps yields NaN there
+        x = _randn(gen, (T, d["hidden"]), dt, dev)
+        x[-1] = 0
+        return [x, _randn(gen, (d["hidden"],), dt, dev), 1e-6]
     if op == "fused_add_rms_norm":
         h = d["hidden"]
-        return [_randn(gen, (T, h), dt, dev), _randn(gen, (T, h), dt, dev),
-                _randn(gen, (h,), dt, dev), 1e-6]
+        x, residual = _randn(gen, (T, h), dt, dev), _randn(gen, (T, h), dt, dev)
+        x[-1], residual[-1] = 0, 0
+        return [x, residual, _randn(gen, (h,), dt, dev), 1e-6]
     if op == "layer_norm":
         h = d["hidden"]
         return [_randn(gen, (T, h), dt, dev), _randn(gen, (h,), dt, dev),

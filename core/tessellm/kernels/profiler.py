@@ -60,9 +60,10 @@ class ProfileCache:
 
     def get(self, key: str) -> Decision | None:
         entry = self._data.get(key)
-        if entry is None:
+        try:
+            return Decision(entry["choice"], [Candidate(**c) for c in entry["ranking"]])
+        except (KeyError, TypeError):  # absent, or written by another schema: re-profile
             return None
-        return Decision(entry["choice"], [Candidate(**c) for c in entry["ranking"]])
 
     def put(self, key: str, decision: Decision) -> None:
         self._data[key] = {"choice": decision.choice, "ranking": [asdict(c) for c in decision.ranking]}
@@ -170,14 +171,24 @@ class KernelSelector:
             if rnd >= 3 and time.perf_counter() > deadline:
                 break
             for c, k_args in timed:
-                self.synchronize()
-                t0 = time.perf_counter()
-                fns[c.name](*k_args)
-                self.synchronize()
+                if not c.correct:
+                    continue
+                try:
+                    self.synchronize()
+                    t0 = time.perf_counter()
+                    fns[c.name](*k_args)
+                    self.synchronize()
+                except Exception as e:  # crashed while timed: reported, never chosen
+                    c.correct, c.error = False, f"{type(e).__name__} while timed: {e}"
+                    continue
                 samples[c.name].append(time.perf_counter() - t0)
         for c, _ in timed:
-            c.best_us = min(samples[c.name]) * 1e6
-        ranking = sorted((c for c, _ in timed), key=lambda c: c.best_us) + rejected
+            c.best_us = min(samples[c.name]) * 1e6 if c.correct else None
+        survivors = sorted((c for c, _ in timed if c.correct), key=lambda c: c.best_us)
+        if not survivors:
+            raise KernelError(f"every kernel for {query.bucket_key} on {self.device_name!r} "
+                              "failed: " + "; ".join(f"{c.name}: {c.error}" for c, _ in timed))
+        ranking = survivors + [c for c, _ in timed if not c.correct] + rejected
         return Decision(ranking[0].name, ranking)
 
     def _check(self, kernel: Kernel, op: str, args: list[Any], expected: list[torch.Tensor],
