@@ -64,8 +64,8 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
     for _ in range(4):
         out, _ = step(sched)
         chunks.append(out.scheduled[0].num_tokens)
-        assert sched.kv.block_table("a") == list(range(sched.kv.num_blocks_needed(
-            r.num_computed_tokens)))
+        assert sched.kv.block_table("a") == list(range(1, 1 + sched.kv.num_blocks_needed(
+            r.num_computed_tokens)))                         # block 0 is the null block
     assert chunks == [16, 16, 16, 2]
     assert r.output_token_ids == [TOKEN]                    # sampled only after the last chunk
     out, done = step(sched)

@@ -18,12 +18,12 @@ def test_table_grows_to_cover_computed_plus_new() -> None:
     r = make_request("a", 9)
     assert kv.block_table("a") == []
     assert kv.allocate_slots(r, 5)
-    assert kv.block_table("a") == [0, 1]
+    assert kv.block_table("a") == [1, 2]  # block 0 is the null block
     r.num_computed_tokens = 5
     assert kv.allocate_slots(r, 3)               # 8 tokens: still two blocks
-    assert kv.block_table("a") == [0, 1]
+    assert kv.block_table("a") == [1, 2]
     assert kv.allocate_slots(r, 4)               # 9 tokens: a third block
-    assert kv.block_table("a") == [0, 1, 2]
+    assert kv.block_table("a") == [1, 2, 3]
     assert kv.allocate_slots(r, 0)
     assert kv.num_free_blocks == 5
     assert kv.usage == pytest.approx(3 / 8)
@@ -42,16 +42,16 @@ def test_not_enough_blocks_allocates_nothing() -> None:
 def test_free_returns_blocks_last_first_and_is_idempotent() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2)
     a = make_request("a")
-    kv.allocate_slots(a, 6)                      # blocks 0, 1, 2
+    kv.allocate_slots(a, 6)                      # blocks 1, 2, 3
     kv.free(a)
     assert kv.block_table("a") == []
-    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    assert kv.pool.free_block_ids() == [4, 3, 2, 1]
     kv.free(a)
     kv.free(make_request("never-seen"))
     assert kv.num_free_blocks == 4
     b = make_request("b")
     kv.allocate_slots(b, 4)
-    assert kv.block_table("b") == [3, 2]         # a's last block is evicted first
+    assert kv.block_table("b") == [4, 3]         # a's last block is evicted first
 
 
 def test_no_block_in_two_tables() -> None:
@@ -68,12 +68,12 @@ def test_no_block_in_two_tables() -> None:
 
 def test_slot_mapping() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
-    kv.allocate_slots(make_request("x"), 4)      # take block 0 so tables are not trivial
+    kv.allocate_slots(make_request("x"), 4)      # take block 1 so tables are not trivial
     r = make_request("a", 10)
     kv.allocate_slots(r, 10)
-    assert kv.block_table("a") == [1, 2, 3]
-    assert kv.slot_mapping(r, 0, 10) == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
-    assert kv.slot_mapping(r, 6, 12) == [10, 11, 12, 13, 14, 15]
+    assert kv.block_table("a") == [2, 3, 4]
+    assert kv.slot_mapping(r, 0, 10) == [8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    assert kv.slot_mapping(r, 6, 12) == [14, 15, 16, 17, 18, 19]
     assert kv.slot_mapping(r, 3, 3) == []
     with pytest.raises(KVCacheError):
         kv.slot_mapping(r, 0, 13)
@@ -93,3 +93,19 @@ def test_sizes_and_validation() -> None:
         KVCacheManager(num_blocks=5, block_size=0)
     with pytest.raises(ConfigError):
         KVCacheManager(num_blocks=0, block_size=16)
+
+
+def test_null_block_is_reserved_and_fresh_blocks_are_reported_once() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    assert kv.num_physical_blocks == 4 and kv.num_blocks == 3 and kv.num_free_blocks == 3
+    a, b = make_request("a", 6), make_request("b", 2)
+    assert kv.allocate_slots(a, 6)
+    assert not kv.allocate_slots(b, 2)              # the null block is never handed out
+    assert KVCacheManager.NULL_BLOCK not in kv.block_table("a")
+    assert sorted(kv.take_fresh_blocks()) == [1, 2, 3]
+    assert kv.take_fresh_blocks() == []
+    kv.free(a)
+    assert kv.allocate_slots(b, 2)
+    assert len(kv.take_fresh_blocks()) == 1
+    kv.free(b)
+    assert kv.num_free_blocks == kv.num_blocks and kv.usage == 0.0

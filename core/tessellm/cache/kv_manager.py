@@ -15,6 +15,12 @@ Invariants: a block is in at most one table (no sharing without a prefix cache);
 grows, by exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until
 `free` returns it whole; allocation is all-or-nothing.
 
+Block 0 is the null block: reserved for life, never in a table, so block-table padding can
+point at it. The physical cache therefore has num_blocks + 1 blocks (`num_physical_blocks`).
+Blocks handed out since the last `take_fresh_blocks()` are reported by it, so the model runner
+can zero them before first use: together with a zeroed null block, every slot an attention
+kernel can read through a (padded) table holds finite values, whatever the pool held before.
+
 The manager needs only a request's id and computed-token count, so it takes anything shaped
 like that (tessellm.request.Request is) and imports nothing from the layers above.
 """
@@ -41,17 +47,30 @@ class SequenceState(Protocol):
 
 
 class KVCacheManager:
-    __slots__ = ("_pool", "_block_size", "_tables")
+    __slots__ = ("_pool", "_block_size", "_tables", "_fresh")
+
+    NULL_BLOCK = 0
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self._pool = BlockPool(num_blocks)
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self._pool = BlockPool(num_blocks + 1)
+        if self._pool.allocate(1) != [self.NULL_BLOCK]:
+            raise KVCacheError("the block pool did not hand out block 0 first")
         self._block_size = block_size
         self._tables: dict[str, list[int]] = {}
+        self._fresh: list[int] = []
 
     @property
     def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return self._pool.num_blocks - 1
+
+    @property
+    def num_physical_blocks(self) -> int:
+        """Blocks the KV cache tensors must hold: the usable ones plus the null block."""
         return self._pool.num_blocks
 
     @property
@@ -65,7 +84,7 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of the pool's blocks in use, in [0, 1]."""
-        return 1.0 - self._pool.num_free_blocks / self._pool.num_blocks
+        return 1.0 - self._pool.num_free_blocks / self.num_blocks
 
     @property
     def pool(self) -> BlockPool:
@@ -91,11 +110,17 @@ class KVCacheManager:
         if missing > self._pool.num_free_blocks:
             return False
         new_blocks = self._pool.allocate(missing)
+        self._fresh.extend(new_blocks)
         if table is None:
             self._tables[request.request_id] = new_blocks
         else:
             table.extend(new_blocks)
         return True
+
+    def take_fresh_blocks(self) -> list[int]:
+        """Blocks allocated since the previous call (each once), for zeroing before use."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def free(self, request: SequenceState) -> None:
         """Return all the request's blocks, last block first, and forget its table.

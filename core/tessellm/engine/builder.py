@@ -103,7 +103,8 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     plan = lower(graph, selector, dtype)
     num_blocks = kv_block_count(config, spec, dtype, max_model_len)
     alloc = device.allocator()
-    kv_caches = [alloc.allocate((2, num_blocks, config.block_size, spec.num_kv_heads,
+    # one more physical block than usable ones: block 0 is the KV manager's null block
+    kv_caches = [alloc.allocate((2, num_blocks + 1, config.block_size, spec.num_kv_heads,
                                  spec.head_dim), dtype, tag="kv_cache")
                  for _ in range(spec.num_layers)]
     tokenizer = load_tokenizer(model_dir)

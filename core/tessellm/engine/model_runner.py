@@ -1,5 +1,7 @@
 """ModelRunner: turns a SchedulerOutput into device inputs, runs the plan, samples.
 
+Blocks are zeroed when first handed out (and the null block at start): attention kernels read
+whole blocks through padded block tables and rely on every such slot being finite.
 Inputs are staged in host buffers (from the device's host allocator), copied to persistent
 device buffers (from the device allocator) through a transfer stream, and the plan runs only
 after the copy event has completed. Sampled token ids come back the same way. Row order follows
@@ -74,6 +76,14 @@ class ModelRunner:
         self.dev_bufs = {k: alloc.allocate(shape, dt, tag="input_buffers")
                          for k, (shape, dt) in shapes.items()}
         self.host_sampled = host.allocate((B,), torch.int64)
+        self._zero_blocks([KVCacheManager.NULL_BLOCK])
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.kv_caches[0].device)
+        for cache in self.kv_caches:
+            cache.index_fill_(1, idx, 0)
 
     def wait(self, event: Event) -> None:
         """Block until a transfer has landed (the one place the runner waits on the stream)."""
@@ -97,6 +107,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], list[int]]:
         """Run one step; returns the requests that sampled and their new token ids."""
+        self._zero_blocks(kv.take_fresh_blocks())
         s = build_step_inputs(out, kv)
         width = max(len(t) for t in s.block_tables)
         tables = [t + [0] * (width - len(t)) for t in s.block_tables]

@@ -8,6 +8,10 @@ in blocks block_tables[i, :ceil(seq_lens[i] / block_size)]. Slot s is row s % bl
 block s // block_size.
 
 KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+Contract kernels may rely on: every slot reachable through a block-table row (including slots
+past seq_len in a sequence's last block, and padding entries, which point at block 0) holds
+finite values; the engine zeroes blocks when they are handed out and keeps block 0 zero. Only
+slots < seq_len hold this sequence's K/V: kernels must mask the others' scores.
 The host-side lists mirror the tensors so that kernels that loop per sequence need no
 device-to-host sync.
 """

@@ -28,10 +28,11 @@ def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
 def make_attention_metadata(query_lens: list[int], seq_lens: list[int], block_size: int,
                             num_decodes: int, dev: str, gen: torch.Generator
                             ) -> tuple[AttentionMetadata, int]:
-    """Metadata for sequences with shuffled block tables; returns (meta, num_blocks)."""
+    """Metadata for sequences with shuffled block tables (block 0 only as padding);
+    returns (meta, num_blocks)."""
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 1
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    num_blocks = sum(blocks_per_seq) + 2  # block 0 is the null block (padding), one spare
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables, slots, cursor = [], [], 0
     for q, s, nb in zip(query_lens, seq_lens, blocks_per_seq):
         table = perm[cursor:cursor + nb]
@@ -57,11 +58,10 @@ def make_attention_metadata(query_lens: list[int], seq_lens: list[int], block_si
     return meta, num_blocks
 
 
-def poison_unwritten_slots(cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Fill every slot no sequence covers with NaN (floating caches): a kernel that lets
-    unwritten slots reach its output then fails the profiler's reference check."""
-    if not cache.dtype.is_floating_point:
-        return
+def fill_unowned_slots(cache: torch.Tensor, meta: AttentionMetadata, gen: torch.Generator) -> None:
+    """Put large finite garbage in every slot no sequence owns and zero block 0 (the null
+    block), as the engine's cache contract allows: a kernel that reads such slots without
+    masking their scores then fails the profiler's reference check."""
     _, num_blocks, block_size, _, _ = cache.shape
     used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     tables = meta.block_tables.cpu()
@@ -69,7 +69,10 @@ def poison_unwritten_slots(cache: torch.Tensor, meta: AttentionMetadata) -> None
         for p in range(seq_len):
             used[int(tables[i, p // block_size]) * block_size + p % block_size] = True
     flat = cache.view(2, num_blocks * block_size, -1)
-    flat[:, ~used.to(cache.device)] = float("nan")
+    unowned = (~used).nonzero().flatten()
+    garbage = torch.randn((2, len(unowned), flat.shape[-1]), generator=gen) * 1e3
+    flat[:, unowned.to(cache.device)] = garbage.to(dtype=cache.dtype, device=cache.device)
+    cache[:, 0] = 0
 
 
 def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> list[Any]:
@@ -84,7 +87,7 @@ def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> li
         nd = 0
     meta, nblocks = make_attention_metadata(qlens, slens, EXAMPLE_BLOCK_SIZE, nd, dev, gen)
     cache = _randn(gen, (2, nblocks, EXAMPLE_BLOCK_SIZE, nkv, hd), dt, dev)
-    poison_unwritten_slots(cache, meta)
+    fill_unowned_slots(cache, meta, gen)
     return [_randn(gen, (T, nh * hd), dt, dev), cache, meta, 1.0 / math.sqrt(hd)]
 
 

@@ -17,22 +17,18 @@ import torch.nn.functional as F
 from tessellm.plugin_api import AttentionMetadata
 
 
-def _gather_padded(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_padded(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of each sequence, padded: [B, num_kv_heads, L, head_dim], L = blocks*block_size.
 
-    Positions at or past a sequence's length are zeroed: they hold whatever the pool held
-    (possibly NaN), and a masked score times a NaN value would still poison the output.
+    Slots past a sequence's length are read too; the KV cache contract (AttentionMetadata)
+    guarantees they are finite, so masking their scores is enough.
     """
     block_size = kv_cache.shape[2]
     n_blocks = (max_len + block_size - 1) // block_size
     bt = block_tables[:, :n_blocks].long()
-    k = kv_cache[0][bt].flatten(1, 2)                                       # [B, L, nkv, D]
-    v = kv_cache[1][bt].flatten(1, 2)
-    pad = (torch.arange(k.shape[1], device=k.device) >= seq_lens.unsqueeze(1)).view(
-        k.shape[0], -1, 1, 1)
-    k = k.masked_fill(pad, 0).transpose(1, 2).contiguous()
-    v = v.masked_fill(pad, 0).transpose(1, 2).contiguous()
+    k = kv_cache[0][bt].flatten(1, 2).transpose(1, 2).contiguous()
+    v = kv_cache[1][bt].flatten(1, 2).transpose(1, 2).contiguous()
     return k, v
 
 
@@ -50,7 +46,7 @@ def decode_batched_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
                         scale: float) -> torch.Tensor:
     head_dim = kv_cache.shape[-1]
     B = meta.num_seqs
-    k, v = _gather_padded(kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+    k, v = _gather_padded(kv_cache, meta.block_tables, meta.max_seq_len)
     mask = torch.arange(k.shape[2], device=q.device) < meta.seq_lens.unsqueeze(1)
     qh = q.view(B, -1, 1, head_dim)
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask.view(B, 1, 1, -1),
@@ -64,7 +60,7 @@ def decode_batched_bmm(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     for one query token per sequence this beats SDPA's tiled kernel on the CPU."""
     nkv, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     B = meta.num_seqs
-    k, v = _gather_padded(kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len)   # [B, nkv, L, D]
+    k, v = _gather_padded(kv_cache, meta.block_tables, meta.max_seq_len)   # [B, nkv, L, D]
     L = k.shape[2]
     qg = q.view(B, nkv, -1, head_dim)                                      # [B, nkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale         # [B, nkv, G, L]
@@ -115,7 +111,7 @@ def prefill_batched_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attentio
                          scale: float) -> torch.Tensor:
     head_dim = kv_cache.shape[-1]
     B, max_q = meta.num_seqs, meta.max_query_len
-    k, v = _gather_padded(kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len)
+    k, v = _gather_padded(kv_cache, meta.block_tables, meta.max_seq_len)
     L = k.shape[2]
     q_lens = torch.tensor(meta.query_lens_host, device=q.device)
     starts = meta.query_start_loc[:-1].long()
