@@ -136,7 +136,7 @@ def reference_selector(registry: KernelRegistry | None = None) -> KernelSelector
 
 def kv_caches(spec: ModelSpec, num_blocks: int, block_size: int = BLOCK_SIZE,
               dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    return [torch.zeros((2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim),
+    return [torch.zeros((2, num_blocks, spec.num_kv_heads, block_size, spec.head_dim),
                         dtype=dtype) for _ in range(spec.num_layers)]
 
 

@@ -102,7 +102,7 @@ def _attention_case(query_lens: list[int], seq_lens: list[int], num_decodes: int
     meta, num_blocks = make_attention_metadata(query_lens, seq_lens, block_size, num_decodes,
                                                "cpu", gen)
     nh, nkv, hd = ATTN["num_heads"], ATTN["num_kv_heads"], ATTN["head_dim"]
-    cache = torch.randn((2, num_blocks, block_size, nkv, hd), generator=gen).to(dtype)
+    cache = torch.randn((2, num_blocks, nkv, block_size, hd), generator=gen).to(dtype)
     q = torch.randn((sum(query_lens), nh * hd), generator=gen).to(dtype)
     return q, cache, meta, 1.0 / math.sqrt(hd)
 
@@ -116,7 +116,7 @@ def _garbage_in_unowned_slots(cache: torch.Tensor, meta) -> torch.Tensor:
     for i, seq_len in enumerate(meta.seq_lens_host):
         for p in range(seq_len):
             b = int(meta.block_tables[i, p // bs])
-            garbage[:, b, p % bs] = cache[:, b, p % bs]
+            garbage[:, b, :, p % bs] = cache[:, b, :, p % bs]
     return garbage
 
 

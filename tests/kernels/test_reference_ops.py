@@ -187,13 +187,13 @@ def test_write_kv_cache_stores_each_token_at_its_slot() -> None:
     g = _gen(5)
     _, k, v = _sequence(10, g)
     (table,) = _layout([10], g)
-    cache = torch.zeros(2, len(table) + 3, BS, NKV, HD)
+    cache = torch.zeros(2, len(table) + 3, NKV, BS, HD)
     meta = _meta([10], [10], [table], 0)
     ref.write_kv_cache(k, v, cache, meta.slot_mapping)
     for p in range(10):
         b, off = table[p // BS], p % BS
-        assert torch.equal(cache[0, b, off], k[p].view(NKV, HD))
-        assert torch.equal(cache[1, b, off], v[p].view(NKV, HD))
+        assert torch.equal(cache[0, b, :, off], k[p].view(NKV, HD))
+        assert torch.equal(cache[1, b, :, off], v[p].view(NKV, HD))
     gk, gv = ref.gather_kv(cache, torch.tensor(table), 10, BS)
     assert torch.equal(gk.flatten(1), k) and torch.equal(gv.flatten(1), v)
 
@@ -206,7 +206,7 @@ def test_paged_attention_equals_dense_causal_attention(L: int, chunk: int) -> No
     q, k, v = _sequence(L, g)
     scale = HD ** -0.5
     (table,) = _layout([L], g)
-    cache = torch.randn(2, len(table) + 3, BS, NKV, HD, generator=g)  # other blocks: noise
+    cache = torch.randn(2, len(table) + 3, NKV, BS, HD, generator=g)  # other blocks: noise
     ref.write_kv_cache(k, v, cache, _meta([L], [L], [table], 0).slot_mapping)
     meta = _meta([chunk], [L], [table], num_decodes=1 if chunk == 1 else 0)
     got = ref.paged_attention(q[L - chunk:], cache, meta, scale)
@@ -219,7 +219,7 @@ def test_paged_attention_batch_equals_each_sequence_alone() -> None:
     lens, qlens = [1, 23, 9], [1, 23, 4]  # a decode, a fresh prompt, a chunk over context
     seqs = [_sequence(L, g) for L in lens]
     tables = _layout(lens, g)
-    cache = torch.randn(2, sum(len(t) for t in tables) + 3, BS, NKV, HD, generator=g)
+    cache = torch.randn(2, sum(len(t) for t in tables) + 3, NKV, BS, HD, generator=g)
     for (_, k, v), L, t in zip(seqs, lens, tables):
         ref.write_kv_cache(k, v, cache, _meta([L], [L], [t], 0).slot_mapping)
     q = torch.cat([s[0][L - ql:] for s, L, ql in zip(seqs, lens, qlens)])
@@ -233,7 +233,7 @@ def test_paged_attention_keeps_the_query_dtype() -> None:
     g = _gen(8)
     q, k, v = (t.to(torch.bfloat16) for t in _sequence(12, g))
     (table,) = _layout([12], g)
-    cache = torch.zeros(2, len(table) + 3, BS, NKV, HD, dtype=torch.bfloat16)
+    cache = torch.zeros(2, len(table) + 3, NKV, BS, HD, dtype=torch.bfloat16)
     meta = _meta([12], [12], [table], 0)
     ref.write_kv_cache(k, v, cache, meta.slot_mapping)
     got = ref.paged_attention(q, cache, meta, HD ** -0.5)

@@ -104,7 +104,7 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     num_blocks = kv_block_count(config, spec, dtype, max_model_len)
     alloc = device.allocator()
     # one more physical block than usable ones: block 0 is the KV manager's null block
-    kv_caches = [alloc.allocate((2, num_blocks + 1, config.block_size, spec.num_kv_heads,
+    kv_caches = [alloc.allocate((2, num_blocks + 1, spec.num_kv_heads, config.block_size,
                                  spec.head_dim), dtype, tag="kv_cache")
                  for _ in range(spec.num_layers)]
     tokenizer = load_tokenizer(model_dir)

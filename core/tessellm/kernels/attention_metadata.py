@@ -7,7 +7,8 @@ and they sit at positions seq_lens[i] - query_len .. seq_lens[i]-1 of the sequen
 in blocks block_tables[i, :ceil(seq_lens[i] / block_size)]. Slot s is row s % block_size of
 block s // block_size.
 
-KV cache of one layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+KV cache of one layer: a tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (K then V;
+head-major inside a block, so one head's rows of a block are contiguous).
 Contract kernels may rely on: every slot reachable through a block-table row (including slots
 past seq_len in a sequence's last block, and padding entries, which point at block 0) holds
 finite values; the engine zeroes blocks when they are handed out and keeps block 0 zero. Only

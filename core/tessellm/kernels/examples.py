@@ -62,16 +62,17 @@ def fill_unowned_slots(cache: torch.Tensor, meta: AttentionMetadata, gen: torch.
     """Put large finite garbage in every slot no sequence owns and zero block 0 (the null
     block), as the engine's cache contract allows: a kernel that reads such slots without
     masking their scores then fails the profiler's reference check."""
-    _, num_blocks, block_size, _, _ = cache.shape
-    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    _, num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    used = torch.zeros((num_blocks, block_size), dtype=torch.bool)
     tables = meta.block_tables.cpu()
     for i, seq_len in enumerate(meta.seq_lens_host):
         for p in range(seq_len):
-            used[int(tables[i, p // block_size]) * block_size + p % block_size] = True
-    flat = cache.view(2, num_blocks * block_size, -1)
-    unowned = (~used).nonzero().flatten()
-    garbage = torch.randn((2, len(unowned), flat.shape[-1]), generator=gen) * 1e3
-    flat[:, unowned.to(cache.device)] = garbage.to(dtype=cache.dtype, device=cache.device)
+            used[int(tables[i, p // block_size]), p % block_size] = True
+    by_slot = cache.transpose(2, 3)                     # [2, blocks, block_size, heads, dim]
+    unowned = (~used).to(cache.device)
+    n = int(unowned.sum())
+    garbage = torch.randn((2, n, num_kv_heads, head_dim), generator=gen) * 1e3
+    by_slot[:, unowned] = garbage.to(dtype=cache.dtype, device=cache.device)
     cache[:, 0] = 0
 
 
@@ -86,7 +87,7 @@ def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> li
         slens = [q + (32 if i == 1 else 0) for i, q in enumerate(qlens)]
         nd = 0
     meta, nblocks = make_attention_metadata(qlens, slens, EXAMPLE_BLOCK_SIZE, nd, dev, gen)
-    cache = _randn(gen, (2, nblocks, EXAMPLE_BLOCK_SIZE, nkv, hd), dt, dev)
+    cache = _randn(gen, (2, nblocks, nkv, EXAMPLE_BLOCK_SIZE, hd), dt, dev)
     fill_unowned_slots(cache, meta, gen)
     return [_randn(gen, (T, nh * hd), dt, dev), cache, meta, 1.0 / math.sqrt(hd)]
 
@@ -134,7 +135,7 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         nblocks = math.ceil(T / EXAMPLE_BLOCK_SIZE) * 2
         slots = torch.randperm(nblocks * EXAMPLE_BLOCK_SIZE, generator=gen)[:T].to(dev)
         return [_randn(gen, (T, nkv * hd), dt, dev), _randn(gen, (T, nkv * hd), dt, dev),
-                torch.zeros((2, nblocks, EXAMPLE_BLOCK_SIZE, nkv, hd), dtype=dt, device=dev), slots]
+                torch.zeros((2, nblocks, nkv, EXAMPLE_BLOCK_SIZE, hd), dtype=dt, device=dev), slots]
     if op in ("attention_decode", "attention_prefill"):
         return _attention_example(query, dev, gen)
     raise KernelError(f"no example inputs defined for op {op!r}")

@@ -90,10 +90,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Store each token's K and V at its slot. k, v: [num_tokens, num_kv_heads * head_dim]."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0, slot_mapping] = k.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
-    flat[1, slot_mapping] = v.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+    _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[0, blocks, :, offsets] = k.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+    kv_cache[1, blocks, :, offsets] = v.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
@@ -101,8 +101,8 @@ def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: in
     """K and V of one sequence as [seq_len, num_kv_heads, head_dim]."""
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table_row[:n_blocks].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    k = kv_cache[0, blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].transpose(1, 2).flatten(0, 1)[:seq_len]
     return k, v
 
 
@@ -110,7 +110,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                     scale: float) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its cached K/V (the new tokens'
     K/V must already be written). q: [num_tokens, num_heads * head_dim]. GQA by head groups."""
-    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc.tolist()
     for i in range(meta.num_seqs):

@@ -24,22 +24,22 @@ def _gather_padded(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: 
     Slots past a sequence's length are read too; the KV cache contract (AttentionMetadata)
     guarantees they are finite, so masking their scores is enough.
     """
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.shape[3]
     n_blocks = (max_len + block_size - 1) // block_size
     bt = block_tables[:, :n_blocks].long()
-    k = kv_cache[0][bt].flatten(1, 2).transpose(1, 2).contiguous()
-    v = kv_cache[1][bt].flatten(1, 2).transpose(1, 2).contiguous()
+    k = kv_cache[0][bt].transpose(1, 2).flatten(2, 3)     # [B, nkv, n_blocks * block_size, D]
+    v = kv_cache[1][bt].transpose(1, 2).flatten(2, 3)
     return k, v
 
 
 def _seq_kv(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence: [1, num_kv_heads, seq_len, head_dim]."""
-    block_size = kv_cache.shape[2]
+    block_size = kv_cache.shape[3]
     blocks = table[:(seq_len + block_size - 1) // block_size].long()
-    k = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
-    return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    k = kv_cache[0][blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len]   # [nkv, seq_len, D]
+    v = kv_cache[1][blocks].transpose(0, 1).flatten(1, 2)[:, :seq_len]
+    return k.unsqueeze(0), v.unsqueeze(0)
 
 
 def decode_batched_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -58,7 +58,7 @@ def decode_batched_bmm(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
                        scale: float) -> torch.Tensor:
     """Grouped heads as batched matmuls (scores in the cache dtype, softmax in float32):
     for one query token per sequence this beats SDPA's tiled kernel on the CPU."""
-    nkv, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    nkv, head_dim = kv_cache.shape[2], kv_cache.shape[4]
     B = meta.num_seqs
     k, v = _gather_padded(kv_cache, meta.block_tables, meta.max_seq_len)   # [B, nkv, L, D]
     L = k.shape[2]

@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import logging
+
 from tessellm.plugin_api import Kernel
 from tessellm_cpu import attention
+from tessellm_cpu.native_build import NativeBuildError
+
+log = logging.getLogger(__name__)
 
 
 def rms_norm_composite(x, weight, eps):
@@ -52,17 +57,29 @@ def rotary_neox(positions, q, k, cos_sin, head_dim):
 
 
 def write_kv_index_copy(k, v, kv_cache, slot_mapping):
-    _, num_blocks, block_size, nkv, hd = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, nkv, hd)
-    flat[0].index_copy_(0, slot_mapping, k.view(-1, nkv, hd).to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.view(-1, nkv, hd).to(kv_cache.dtype))
+    _, _, nkv, block_size, hd = kv_cache.shape
+    index = (slot_mapping // block_size, slice(None), slot_mapping % block_size)
+    kv_cache[0][index] = k.view(-1, nkv, hd).to(kv_cache.dtype)
+    kv_cache[1][index] = v.view(-1, nkv, hd).to(kv_cache.dtype)
+
+
+def native_kernels(device: str) -> list[Kernel]:
+    """The C kernels, when this machine can build them (a warning says why not)."""
+    from tessellm_cpu.native_attention import NativeDecode
+    try:
+        decode = NativeDecode()
+    except NativeBuildError as e:
+        log.warning("tessellm_cpu: native kernels unavailable, not offered: %s", e)
+        return []
+    return [Kernel(op="attention_decode", name="decode_native_paged", fn=decode, device=device,
+                   supports=decode.supports, description="C, in-place paged reads")]
 
 
 def cpu_kernels(device: str) -> list[Kernel]:
     def k(op: str, name: str, fn, description: str = "") -> Kernel:
         return Kernel(op=op, name=name, fn=fn, device=device, description=description)
 
-    return [
+    return native_kernels(device) + [
         k("embedding", "embedding_aten", F.embedding),
         k("linear", "linear_aten", F.linear),
         k("rms_norm", "rms_norm_aten", rms_norm_aten, "F.rms_norm in float32"),
