@@ -1,0 +1,61 @@
+"""The `tessellm` command, run in-process through its main()."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessellm.cli.main import main
+
+
+def test_generate_on_the_demo_model_says_it_is_untrained(capsys):
+    assert main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert "untrained" in err
+    assert out.strip() != "" or out == "\n"  # byte-level gibberish, possibly whitespace
+
+
+def test_generate_on_stories_prints_the_reference_continuation(capsys, stories_dir):
+    ref = json.loads((stories_dir / "reference_greedy.json").read_text())
+    assert main(["generate", "--model", str(stories_dir), "--prompt", ref["prompt"],
+                 "--max-tokens", "40", "--temperature", "0", "--dtype", "float32"]) == 0
+    out, _ = capsys.readouterr()
+    assert ref["prompt"] + out.rstrip("\n") == ref["text"]
+
+
+def test_plugins_json_lists_cpu_and_sim(capsys):
+    assert main(["plugins", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    devices = {d["name"]: d for r in rows for d in r["devices"]}
+    assert devices["cpu"]["available"] and "sim" in devices
+    assert all({"plugin", "version", "status", "error"} <= set(r) for r in rows)
+
+
+def test_kernels_prints_a_ranking_per_op(capsys, stories_dir):
+    assert main(["kernels", "--model", str(stories_dir), "--dtype", "float32",
+                 "--buckets", "1,32", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    decode = [r for r in rows if r["query"].startswith("attention_decode|float32|T32")]
+    assert decode and len(decode[0]["ranking"]) >= 2
+    assert decode[0]["choice"] == decode[0]["ranking"][0]["kernel"]
+
+
+def test_bench_throughput_prints_one_json_line(capsys, stories_dir):
+    assert main(["bench", "throughput", "--model", str(stories_dir), "--num-prompts", "4",
+                 "--input-len", "8", "--output-len", "4", "--dtype", "float32"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()
+    assert len(line) == 1
+    result = json.loads(line[0])
+    assert result["gen_tokens"] == 16
+    assert {"gen_tok_per_s", "total_tok_per_s", "wall_s"} <= set(result)
+
+
+def test_errors_are_reported_without_a_traceback(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "tessellm: error:" in capsys.readouterr().err
+
+
+def test_unknown_device_is_a_clear_error(capsys):
+    assert main(["generate", "--prompt", "x", "--device", "tpu9000"]) == 2
+    err = capsys.readouterr().err
+    assert "tpu9000" in err and "cpu" in err
