@@ -21,27 +21,50 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     mp.undo()
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_kv_blocks(monkeypatch: pytest.MonkeyPatch):
-    """Every engine built during a test must end it with no unfinished request and every KV
-    block free."""
-    engines: list[weakref.ref[LLMEngine]] = []
+class _EngineTracker:
+    """Every LLMEngine built in the session: weakly for the session, strongly for the test
+    that built it (so an engine local to a test is still checked when the test ends)."""
+
+    def __init__(self) -> None:
+        self.session: list[weakref.ref[LLMEngine]] = []
+        self.this_test: list[LLMEngine] = []
+
+    def add(self, engine: LLMEngine) -> None:
+        self.session.append(weakref.ref(engine))
+        self.this_test.append(engine)
+
+    def live(self) -> list[LLMEngine]:
+        return [e for e in (r() for r in self.session) if e is not None]
+
+
+@pytest.fixture(scope="session")
+def _engines():
+    tracker = _EngineTracker()
     original_init = LLMEngine.__init__
 
     def tracking_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        engines.append(weakref.ref(self))
+        tracker.add(self)
 
-    monkeypatch.setattr(LLMEngine, "__init__", tracking_init)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(LLMEngine, "__init__", tracking_init)
+    yield tracker
+    mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_kv_blocks(_engines):
+    """After every test, every engine alive (or built by the test) has no unfinished request
+    and every KV block free."""
     yield
-    for ref in engines:
-        engine = ref()
-        if engine is None:
-            continue
-        assert not engine.has_unfinished(), "engine test left unfinished requests"
-        assert engine.kv.num_free_blocks == engine.kv.num_blocks, (
-            f"KV blocks leaked: {engine.kv.num_blocks - engine.kv.num_free_blocks} "
-            f"of {engine.kv.num_blocks} still held")
+    try:
+        for engine in _engines.live():
+            assert not engine.has_unfinished(), "engine test left unfinished requests"
+            assert engine.kv.num_free_blocks == engine.kv.num_blocks, (
+                f"KV blocks leaked: {engine.kv.num_blocks - engine.kv.num_free_blocks} "
+                f"of {engine.kv.num_blocks} still held")
+    finally:
+        _engines.this_test.clear()
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,17 @@ class ModelGraph:
         return len(self.op_nodes(target))
 
 
+@dataclass(frozen=True)
+class StepPlaceholders:
+    """The placeholders every model graph has (see the module docstring)."""
+
+    input_ids: fx.Node
+    positions: fx.Node
+    attn_meta: fx.Node
+    logits_indices: fx.Node
+    kv_caches: tuple[fx.Node, ...]
+
+
 class GraphBuilder:
     """Emits nodes into a fresh fx.Graph; knows weight shapes to fill in kernel dims."""
 
@@ -44,6 +55,12 @@ class GraphBuilder:
 
     def input(self, name: str) -> fx.Node:
         return self.graph.placeholder(name)
+
+    def step_inputs(self, num_layers: int) -> StepPlaceholders:
+        return StepPlaceholders(
+            self.input("input_ids"), self.input("positions"), self.input("attn_meta"),
+            self.input("logits_indices"),
+            tuple(self.input(f"kv_cache_{i}") for i in range(num_layers)))
 
     def weight(self, name: str) -> fx.Node:
         if name not in self.weights:

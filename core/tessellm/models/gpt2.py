@@ -37,18 +37,14 @@ def adapt_gpt2_weights(weights: dict[str, torch.Tensor], spec: ModelSpec) -> dic
 
 def build_gpt2_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> ModelGraph:
     b = GraphBuilder(weights)
-    ids, positions = b.input("input_ids"), b.input("positions")
-    meta, logits_indices = b.input("attn_meta"), b.input("logits_indices")
-    kv_caches = [b.input(f"kv_cache_{i}") for i in range(spec.num_layers)]
+    inp = b.step_inputs(spec.num_layers)
     h = spec.hidden_size
     hid = {"hidden": h}
-    tok = b.op(ops.embedding, ids, b.weight("wte.weight"),
+    tok = b.op(ops.embedding, inp.input_ids, b.weight("wte.weight"),
                dims={"vocab": spec.vocab_size, "hidden": h}, role="embed")
-    pos = b.op(ops.embedding, positions, b.weight("wpe.weight"),
+    pos = b.op(ops.embedding, inp.positions, b.weight("wpe.weight"),
                dims={"vocab": spec.max_position_embeddings, "hidden": h}, role="pos_embed")
     x = b.op(ops.add, tok, pos, dims=hid, role="embed_sum")
-    attn_dims = {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
-                 "head_dim": spec.head_dim}
     for i in range(spec.num_layers):
         p = f"h.{i}"
         n = b.op(ops.layer_norm, x, b.weight(f"{p}.ln_1.weight"), b.weight(f"{p}.ln_1.bias"),
@@ -56,8 +52,8 @@ def build_gpt2_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Model
         q = b.linear(n, f"{p}.attn.q_proj", role="q_proj", layer=i, bias=True)
         k = b.linear(n, f"{p}.attn.k_proj", role="k_proj", layer=i, bias=True)
         v = b.linear(n, f"{p}.attn.v_proj", role="v_proj", layer=i, bias=True)
-        attn = b.op(ops.attention, q, k, v, kv_caches[i], meta, spec.attention_scale,
-                    dims=attn_dims, role="attention", layer=i)
+        attn = b.op(ops.attention, q, k, v, inp.kv_caches[i], inp.attn_meta,
+                    spec.attention_scale, dims=spec.attention_dims, role="attention", layer=i)
         o = b.linear(attn, f"{p}.attn.c_proj", role="o_proj", layer=i, bias=True)
         x = b.op(ops.add, o, x, dims=hid, role="attn_residual", layer=i)
         n = b.op(ops.layer_norm, x, b.weight(f"{p}.ln_2.weight"), b.weight(f"{p}.ln_2.bias"),
@@ -69,6 +65,6 @@ def build_gpt2_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Model
         x = b.op(ops.add, down, x, dims=hid, role="mlp_residual", layer=i)
     x = b.op(ops.layer_norm, x, b.weight("ln_f.weight"), b.weight("ln_f.bias"), spec.norm_eps,
              dims=hid, role="final_norm")
-    last = b.call(ops.select_rows, x, logits_indices)
+    last = b.call(ops.select_rows, x, inp.logits_indices)
     b.output(b.linear(last, "wte", role="lm_head", layer=None, bias=False))
     return ModelGraph(b.graph, weights, spec.num_layers)

@@ -25,14 +25,12 @@ def adapt_llama_weights(weights: dict[str, torch.Tensor], spec: ModelSpec) -> di
 
 def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> ModelGraph:
     b = GraphBuilder(weights)
-    ids, positions = b.input("input_ids"), b.input("positions")
-    meta, logits_indices = b.input("attn_meta"), b.input("logits_indices")
-    kv_caches = [b.input(f"kv_cache_{i}") for i in range(spec.num_layers)]
+    inp = b.step_inputs(spec.num_layers)
     h = spec.hidden_size
     norm = {"hidden": h}
     cos_sin = b.weight(COS_SIN)
 
-    x = b.op(ops.embedding, ids, b.weight("model.embed_tokens.weight"),
+    x = b.op(ops.embedding, inp.input_ids, b.weight("model.embed_tokens.weight"),
              dims={"vocab": spec.vocab_size, "hidden": h}, role="embed")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
@@ -47,10 +45,11 @@ def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
                 b.weight(f"{p}.self_attn.{name}.weight"), spec.norm_eps,
                 dims={"hidden": spec.head_dim}, role=name, layer=i))
                 for t, name in ((q, "q_norm"), (k, "k_norm")))
-        qk = b.op(ops.rotary_embedding, positions, q, k, cos_sin, spec.head_dim,
-                  dims=_attn_dims(spec), role="rope", layer=i)
-        attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, kv_caches[i], meta,
-                    spec.attention_scale, dims=_attn_dims(spec), role="attention", layer=i)
+        qk = b.op(ops.rotary_embedding, inp.positions, q, k, cos_sin, spec.head_dim,
+                  dims=spec.attention_dims, role="rope", layer=i)
+        attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, inp.kv_caches[i],
+                    inp.attn_meta, spec.attention_scale, dims=spec.attention_dims,
+                    role="attention", layer=i)
         o = b.linear(attn, f"{p}.self_attn.o_proj", role="o_proj", layer=i, bias=spec.o_bias)
         x = b.op(ops.add, o, x, dims=norm, role="attn_residual", layer=i)
         n = b.op(ops.rms_norm, x, b.weight(f"{p}.post_attention_layernorm.weight"),
@@ -64,13 +63,8 @@ def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
         x = b.op(ops.add, down, x, dims=norm, role="mlp_residual", layer=i)
     x = b.op(ops.rms_norm, x, b.weight("model.norm.weight"), spec.norm_eps, dims=norm,
              role="final_norm")
-    last = b.call(ops.select_rows, x, logits_indices)
+    last = b.call(ops.select_rows, x, inp.logits_indices)
     head = "model.embed_tokens" if spec.tie_word_embeddings or "lm_head.weight" not in weights \
         else "lm_head"
     b.output(b.linear(last, head, role="lm_head", layer=None, bias=False))
     return ModelGraph(b.graph, weights, spec.num_layers)
-
-
-def _attn_dims(spec: ModelSpec) -> dict[str, int]:
-    return {"num_heads": spec.num_heads, "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim}

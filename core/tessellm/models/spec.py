@@ -31,6 +31,12 @@ class ModelSpec:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
 
     @property
+    def attention_dims(self) -> dict[str, int]:
+        """The kernel-query dims of rotary and attention nodes."""
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim}
+
+    @property
     def attention_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
 
