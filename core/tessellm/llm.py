@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
+from tessellm.engine.detokenizer import decode_continuation
 from tessellm.engine.llm_engine import LLMEngine
 from tessellm.errors import InvalidRequestError
 from tessellm.plugins import PluginManager
@@ -35,8 +36,10 @@ class LLM:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], prompt_token_ids: list[int] | None = None) -> str:
+        """Text of `token_ids`; after a prompt, the text they add to it (a SentencePiece word
+        start keeps its space), exactly what the streaming server sends."""
+        return decode_continuation(self.tokenizer, prompt_token_ids or [], token_ids, True)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -66,5 +69,6 @@ class LLM:
                 if not r.is_finished:
                     self.engine.abort(r.request_id)
         return [RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                              self.decode(r.output_token_ids), r.finish_reason.value)
+                              self.decode(r.output_token_ids, r.prompt_token_ids),
+                              r.finish_reason.value)
                 for r in requests]

@@ -1,9 +1,19 @@
 """Per-request sampling parameters, validated at construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tessellm.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20  # the most top tokens a request may ask logprobs for (OpenAI's cap)
+
+
+def _real(name: str, value: object) -> float:
+    """`value` as a finite float, or InvalidRequestError (bools and non-numbers are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 @dataclass(slots=True)
@@ -13,6 +23,15 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 (or None) disables top-k; top_p == 1 and
     min_p == 0 disable those filters. `seed` makes sampling reproducible for this request alone,
     whatever else runs in the same batch (the random draw depends on (seed, output position)).
+
+    Penalties (applied to the logits before everything else; defaults disable them):
+    - presence_penalty, frequency_penalty in [-2, 2] (OpenAI): subtract
+      presence_penalty * (count > 0) + frequency_penalty * count, where count is how often the
+      token occurs among the GENERATED tokens only.
+    - repetition_penalty > 0 (Hugging Face / vLLM): every token seen in the prompt OR the
+      generated tokens has its logit divided by the penalty if positive, multiplied if negative.
+    `logprobs`: None returns none; k in [0, MAX_LOGPROBS] returns the sampled token's logprob
+    and the k most likely tokens' logprobs (see tessellm.engine.sampler for which logits).
     """
 
     max_tokens: int = 16
@@ -23,6 +42,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -38,7 +61,28 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(f"logprobs must be None or an integer in "
+                                      f"[0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any penalty would change the logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

@@ -1,15 +1,28 @@
-"""Tests of tessellm.engine.sampler: greedy, filters, distribution, seeded reproducibility."""
+"""Tests of tessellm.engine.sampler: greedy, filters, distribution, seeded reproducibility,
+penalties and logprobs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
 
-from tessellm.engine.sampler import Sampler, row_seed
+from tessellm.engine.sampler import Sampler, SampleRequest, SamplerOutput, row_seed
+from tessellm.errors import InvalidRequestError
 from tessellm.sampling_params import SamplingParams
 
 VOCAB = 64
+
+
+def _rows(params: Sequence[SamplingParams], positions: Sequence[int]) -> list[SampleRequest]:
+    """Rows with no prompt or generated tokens (the sampler needs them only for penalties)."""
+    return [SampleRequest(p, pos, [], []) for p, pos in zip(params, positions)]
+
+
+def _sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+            positions: Sequence[int]) -> torch.Tensor:
+    return Sampler()(logits, _rows(params, positions)).token_ids
 
 
 def _logits(batch: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -19,12 +32,12 @@ def _logits(batch: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
 def _sample_each_position(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
     """Sample one row n times, as one batch of n copies at output positions 0..n-1."""
     logits = logits_row.unsqueeze(0).expand(n, -1)
-    return Sampler()(logits, [params] * n, list(range(n)))
+    return _sample(logits, [params] * n, list(range(n)))
 
 
 def test_greedy_equals_argmax_and_returns_int64() -> None:
     logits = _logits(5)
-    out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 5, [0] * 5)
+    out = _sample(logits, [SamplingParams(temperature=0.0)] * 5, [0] * 5)
     assert out.dtype == torch.int64
     assert torch.equal(out, logits.argmax(dim=-1))
 
@@ -32,7 +45,7 @@ def test_greedy_equals_argmax_and_returns_int64() -> None:
 def test_greedy_ties_take_lowest_index() -> None:
     logits = torch.zeros(2, 8)
     logits[0, [3, 5]] = 1.0
-    out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+    out = _sample(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
     assert out.tolist() == [3, 0]
 
 
@@ -40,7 +53,7 @@ def test_top_k_one_equals_greedy_in_mixed_batch() -> None:
     logits = _logits(6)
     params = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams(temperature=1.5, top_k=1)
               for i in range(6)]
-    out = Sampler()(logits, params, list(range(6)))
+    out = _sample(logits, params, list(range(6)))
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
@@ -48,13 +61,13 @@ def test_top_k_one_is_greedy_even_with_tied_top_values() -> None:
     logits = torch.zeros(50, 8)
     logits[:, [2, 6]] = 1.0
     params = [SamplingParams(temperature=3.0, top_k=1, seed=i) for i in range(50)]
-    assert set(Sampler()(logits, params, [0] * 50).tolist()) == {2}
+    assert set(_sample(logits, params, [0] * 50).tolist()) == {2}
 
 
 def test_top_k_keeps_ties_at_the_cut_off() -> None:
     logits = torch.zeros(200, 8)
     logits[:, [1, 4, 7]] = 1.0
-    out = Sampler()(logits, [SamplingParams(top_k=2, seed=4)] * 200, list(range(200)))
+    out = _sample(logits, [SamplingParams(top_k=2, seed=4)] * 200, list(range(200)))
     assert set(out.tolist()) == {1, 4, 7}
 
 
@@ -94,7 +107,7 @@ def test_filters_compose_in_one_batch() -> None:
     n = 100
     params = ([SamplingParams(temperature=2.0, top_k=2)] * n + [SamplingParams(top_p=0.5)] * n
               + [SamplingParams(min_p=0.9)] * n + [SamplingParams(top_k=5, top_p=0.9, min_p=0.1)] * n)
-    out = Sampler()(row.expand(4 * n, -1), params, list(range(4 * n))).view(4, n)
+    out = _sample(row.expand(4 * n, -1), params, list(range(4 * n))).view(4, n)
     assert set(out[0].tolist()) <= {VOCAB - 1, VOCAB - 2}
     top_p_kept = set(out[1].tolist())
     assert top_p_kept and min(top_p_kept) >= VOCAB - 10  # ~6 tokens carry half the mass
@@ -116,7 +129,7 @@ def test_temperature_distribution_matches_softmax() -> None:
 def test_unseeded_rows_sample_from_softmax() -> None:
     torch.manual_seed(0)
     row = torch.tensor([0.0, 1.0])
-    out = Sampler()(row.expand(2000, -1), [SamplingParams()] * 2000, [0] * 2000)
+    out = _sample(row.expand(2000, -1), [SamplingParams()] * 2000, [0] * 2000)
     frac = out.double().mean().item()
     assert abs(frac - 1 / (1 + math.exp(-1))) < 0.05
 
@@ -124,16 +137,16 @@ def test_unseeded_rows_sample_from_softmax() -> None:
 def test_seeded_rows_independent_of_batch_composition_and_order() -> None:
     logits = _logits(4, seed=5)
     seeded = [SamplingParams(temperature=1.0, seed=42), SamplingParams(temperature=0.8, top_p=0.9, seed=7)]
-    alone = [Sampler()(logits[i:i + 1], [seeded[i]], [9])[0].item() for i in range(2)]
+    alone = [_sample(logits[i:i + 1], [seeded[i]], [9])[0].item() for i in range(2)]
 
     others = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, top_k=3, min_p=0.2)]
-    mixed = Sampler()(logits[[2, 1, 3, 0]], [others[0], seeded[1], others[1], seeded[0]], [1, 9, 4, 9])
+    mixed = _sample(logits[[2, 1, 3, 0]], [others[0], seeded[1], others[1], seeded[0]], [1, 9, 4, 9])
     assert [mixed[3].item(), mixed[1].item()] == alone
 
     for trial in range(5):  # many different positions, all distinct under both batch layouts
         pos = 100 + trial
-        solo = Sampler()(logits[:1], [seeded[0]], [pos])
-        batched = Sampler()(logits[[1, 0, 0]], [seeded[1], seeded[0], SamplingParams()], [3, pos, pos])
+        solo = _sample(logits[:1], [seeded[0]], [pos])
+        batched = _sample(logits[[1, 0, 0]], [seeded[1], seeded[0], SamplingParams()], [3, pos, pos])
         assert batched[1].item() == solo.item()
 
 
@@ -155,20 +168,20 @@ def test_row_seed_is_63_bit_and_spreads() -> None:
 def test_bfloat16_logits_accepted(temperature: float) -> None:
     logits = _logits(3).to(torch.bfloat16)
     params = [SamplingParams(temperature=temperature, top_k=4, top_p=0.8, seed=i) for i in range(3)]
-    out = Sampler()(logits, params, [0, 1, 2])
+    out = _sample(logits, params, [0, 1, 2])
     assert out.dtype == torch.int64 and out.shape == (3,)
     if temperature == 0.0:
         assert torch.equal(out, logits.argmax(dim=-1))
     else:
-        assert torch.equal(out, Sampler()(logits.float(), params, [0, 1, 2]))
+        assert torch.equal(out, _sample(logits.float(), params, [0, 1, 2]))
 
 
 def test_empty_batch_and_shape_errors() -> None:
-    assert Sampler()(torch.zeros(0, VOCAB), [], []).shape == (0,)
+    assert _sample(torch.zeros(0, VOCAB), [], []).shape == (0,)
     with pytest.raises(ValueError):
-        Sampler()(torch.zeros(2, VOCAB), [SamplingParams()], [0])
+        _sample(torch.zeros(2, VOCAB), [SamplingParams()], [0])
     with pytest.raises(ValueError):
-        Sampler()(torch.zeros(VOCAB), [SamplingParams()], [0])
+        _sample(torch.zeros(VOCAB), [SamplingParams()], [0])
 
 
 def test_masked_logits_never_sampled() -> None:
@@ -178,3 +191,176 @@ def test_masked_logits_never_sampled() -> None:
                    SamplingParams(top_p=0.999999, min_p=0.01, seed=3)):
         out = _sample_each_position(row, params, 200)
         assert all(t % 2 == 1 for t in out.tolist())
+
+
+# ---- penalties ----------------------------------------------------------------------------
+
+SMALL_VOCAB = 16  # logprobs=16 then returns the whole distribution
+
+
+def _expected_penalized(row: torch.Tensor, p: SamplingParams, prompt: list[int],
+                        output: list[int]) -> torch.Tensor:
+    """The penalised logits of one row, computed token by token in float64."""
+    x = row.double().clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return x
+
+
+def _full_logprobs(out: SamplerOutput, row: int) -> torch.Tensor:
+    """Row `row`'s whole logprob vector, from a top list that covers the vocabulary."""
+    lp = out.logprobs[row]
+    assert lp is not None and len(lp.top) == SMALL_VOCAB
+    vec = torch.full((SMALL_VOCAB,), float("nan"), dtype=torch.float64)
+    for token, value in lp.top:
+        vec[token] = value
+    return vec
+
+
+def test_penalties_match_direct_computation_in_mixed_batch() -> None:
+    logits = _logits(4, SMALL_VOCAB, seed=3)
+    logits[:, [1, 2]] = torch.tensor([2.5, -1.5])  # seen tokens of both signs
+    prompt, output = [1, 2, 2, 5, 9], [2, 7, 7, 7, 9, 1]
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.7, logprobs=SMALL_VOCAB),
+        SamplingParams(temperature=0.0, logprobs=SMALL_VOCAB),  # no penalty: unchanged
+        SamplingParams(temperature=0.9, seed=1, frequency_penalty=-0.4, presence_penalty=-1.1,
+                       repetition_penalty=1.3, logprobs=SMALL_VOCAB),
+        SamplingParams(temperature=0.0, repetition_penalty=0.6, logprobs=SMALL_VOCAB),
+    ]
+    rows = [SampleRequest(p, len(output), prompt, output) for p in params]
+    before = logits.clone()
+    out = Sampler()(logits, rows)
+    assert torch.equal(logits, before)  # the caller's logits are never written to
+    for i, p in enumerate(params):
+        expected = torch.log_softmax(_expected_penalized(logits[i], p, prompt, output), dim=0)
+        assert torch.allclose(_full_logprobs(out, i), expected, atol=1e-5), i
+
+
+def test_presence_and_frequency_count_generated_tokens_only() -> None:
+    logits = torch.zeros(1, SMALL_VOCAB)
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25,
+                       logprobs=SMALL_VOCAB)
+    out = Sampler()(logits, [SampleRequest(p, 3, [4, 4, 4, 6], [6, 6, 8])])
+    lp = _full_logprobs(out, 0)
+    raw = lp - lp[0]  # logits up to a constant; token 0 is unpenalised
+    assert raw[4].item() == pytest.approx(0.0, abs=1e-6)  # prompt only: untouched
+    assert raw[6].item() == pytest.approx(-1.0, abs=1e-6)  # 0.5 + 2 * 0.25
+    assert raw[8].item() == pytest.approx(-0.75, abs=1e-6)
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.zeros(5, SMALL_VOCAB)
+    logits[:, 3], logits[:, 5] = 1.0, 0.9
+    logits[4] -= 5.0  # all negative: 3 still the largest
+    g = 0.0
+    cases = [
+        (SamplingParams(temperature=g, presence_penalty=0.2), [], [3], 5),
+        (SamplingParams(temperature=g, presence_penalty=0.2), [3], [], 3),  # prompt only
+        (SamplingParams(temperature=g, frequency_penalty=0.06), [], [3, 3], 5),
+        (SamplingParams(temperature=g, repetition_penalty=1.2), [3], [], 5),  # 1 / 1.2 < 0.9
+        (SamplingParams(temperature=g, repetition_penalty=1.1), [3], [], 5),  # -4 * 1.1 < -4.1
+    ]
+    rows = [SampleRequest(p, len(o), pr, o) for p, pr, o, _ in cases]
+    assert Sampler()(logits, rows).token_ids.tolist() == [c[3] for c in cases]
+
+
+def test_seeded_row_with_penalties_independent_of_batch() -> None:
+    logits = _logits(3, seed=8)
+    p = SamplingParams(temperature=1.2, seed=5, repetition_penalty=1.5, frequency_penalty=0.3)
+    row = SampleRequest(p, 4, [1, 2, 3], [3, 4, 4, 5])
+    alone = Sampler()(logits[1:2], [row]).token_ids.item()
+    others = _rows([SamplingParams(temperature=0.0), SamplingParams(top_k=5)], [0, 0])
+    mixed = Sampler()(logits[[0, 1, 2]], [others[0], row, others[1]]).token_ids
+    assert mixed[1].item() == alone
+
+
+def test_penalty_token_ids_out_of_range_rejected() -> None:
+    p = SamplingParams(presence_penalty=1.0)
+    with pytest.raises(ValueError, match="token ids"):
+        Sampler()(torch.zeros(1, SMALL_VOCAB), [SampleRequest(p, 1, [], [SMALL_VOCAB])])
+
+
+# ---- logprobs -----------------------------------------------------------------------------
+
+def test_logprobs_of_sampled_token_and_sorted_top() -> None:
+    logits = _logits(4, seed=2)
+    params = [SamplingParams(temperature=0.7, top_k=3, seed=9, logprobs=5),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=0),
+              SamplingParams(temperature=1.0, seed=3, logprobs=20)]
+    out = Sampler()(logits, _rows(params, [0, 1, 2, 3]))
+    reference = torch.log_softmax(logits.float(), dim=-1)  # before temperature and top-k
+    assert out.logprobs[1] is None
+    for i in (0, 2, 3):
+        lp = out.logprobs[i]
+        assert lp is not None
+        token = int(out.token_ids[i])
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(reference[i, token].item(), abs=1e-6)
+        k = params[i].logprobs
+        assert len(lp.top) == k
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True)
+        expected = reference[i].topk(k).values.tolist() if k else []
+        assert values == pytest.approx(expected, abs=1e-6)
+        assert all(v == pytest.approx(reference[i, t].item(), abs=1e-6) for t, v in lp.top)
+    assert out.logprobs[2].top == []
+
+
+def test_logprobs_top_capped_at_vocab() -> None:
+    out = Sampler()(torch.randn(1, 8), _rows([SamplingParams(temperature=0.0, logprobs=20)], [0]))
+    assert len(out.logprobs[0].top) == 8
+
+
+def test_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = _logits(6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=1)] * 3
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the greedy fast path must not build tensors or logprobs")
+
+    for name in ("log_softmax", "tensor", "zeros", "where", "softmax"):
+        monkeypatch.setattr(torch, name, forbidden)
+    out = Sampler()(logits, _rows(params, range(6)))
+    monkeypatch.undo()
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+    assert out.logprobs == [None] * 6
+
+
+def test_no_log_softmax_without_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("log_softmax called though no row wants logprobs")
+
+    monkeypatch.setattr(torch, "log_softmax", forbidden)
+    params = [SamplingParams(seed=1, repetition_penalty=1.2), SamplingParams(temperature=0.0)]
+    rows = [SampleRequest(p, 1, [1, 2], [3]) for p in params]
+    assert Sampler()(_logits(2), rows).logprobs == [None, None]
+    rows[1].params = SamplingParams(temperature=0.0, logprobs=0)  # the patch is the one used
+    with pytest.raises(AssertionError, match="log_softmax"):
+        Sampler()(_logits(2), rows)
+
+
+# ---- validation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [
+    {"presence_penalty": 2.5}, {"presence_penalty": -2.01}, {"presence_penalty": float("nan")},
+    {"presence_penalty": "1"}, {"frequency_penalty": 3}, {"frequency_penalty": True},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": -1.0},
+    {"repetition_penalty": float("inf")}, {"logprobs": -1}, {"logprobs": 21},
+    {"logprobs": 1.5}, {"logprobs": True},
+])
+def test_invalid_penalties_and_logprobs_rejected(kwargs: dict[str, object]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(InvalidRequestError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_boundary_penalties_and_logprobs_accepted() -> None:
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.01,
+                       logprobs=20)
+    assert p.presence_penalty == -2.0 and isinstance(p.presence_penalty, float)
+    assert p.has_penalties and SamplingParams(logprobs=0).logprobs == 0
+    assert not SamplingParams().has_penalties

@@ -26,6 +26,7 @@ import torch
 from hf_fixtures import (CASES, GPT2_GGUF, STORIES_260K, build_hf_model,
                          gpt2_tokenizer_from_gguf, save_model_dir)
 from tessellm import LLM, SamplingParams
+from tessellm.engine.sampler import SampleRequest, SamplerOutput
 
 PROMPTS = (
     "Hello, my name is",
@@ -108,10 +109,9 @@ def recorded_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
     seen: list[torch.Tensor] = []
     sampler = llm.engine.runner.sampler
 
-    def record(logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int]) -> torch.Tensor:
+    def record(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
         seen.append(logits.detach().clone())
-        return sampler(logits, params, positions)
+        return sampler(logits, rows)
 
     llm.engine.runner.sampler = record
     try:
@@ -165,11 +165,14 @@ def test_greedy_matches_hf_generate(model: Built, cache_dir: Path) -> None:
 
     from_text = llm.generate(list(PROMPTS), GREEDY)
     from_ids = llm.generate(prompt_ids, GREEDY)
-    for out_t, out_i, want in zip(from_text, from_ids, expected):
+    tok = model.tokenizer
+    for out_t, out_i, want, ids in zip(from_text, from_ids, expected, prompt_ids):
         assert out_t.token_ids == want
         assert out_i.token_ids == want
         assert out_t.finish_reason == "length"
-        assert out_t.text == model.tokenizer.decode(want, skip_special_tokens=True)
+        # the text the output adds to the prompt (a SentencePiece word start keeps its space)
+        head = tok.decode(ids, skip_special_tokens=True)
+        assert out_t.text == tok.decode(ids + want, skip_special_tokens=True)[len(head):]
 
 
 @pytest.mark.parametrize("model", ALL_CASES, indirect=True)

@@ -1,10 +1,18 @@
-"""Turns a batch of logits into one token id per row, on the logits' device.
+"""Turns a batch of logits into one token id per row (and optional logprobs), on the logits' device.
 
 Pipeline for a row (the order is part of the contract):
 
-    greedy (temperature == 0 or top_k == 1):  argmax(logits); ties go to the lowest index
+    penalties (only rows that set one; on float32 logits, out of place):
+             repetition: tokens seen in prompt + generated: x / r if x > 0 else x * r
+             -> presence / frequency: x -= presence * (count > 0) + frequency * count,
+                counts over the generated tokens only
+    logprobs (only rows with params.logprobs set): log_softmax of the float32 logits AFTER the
+             penalties and BEFORE temperature and the filters, so they describe the model's
+             (penalised) distribution, not the truncated one the token was drawn from; masked
+             tokens (-inf logits) report -inf. `top` holds min(k, vocab) entries, descending.
+    greedy (temperature == 0 or top_k == 1):  argmax(x); ties go to the lowest index
              (torch.argmax), so top_k == 1 is exactly greedy even when the top value is tied.
-    random:  x = float32(logits) / temperature
+    random:  x = float32(x) / temperature
              -> top-k  (keep tokens whose value >= the k-th largest value)
              -> top-p  (keep the smallest most-probable prefix whose mass >= top_p; the top
                         token is always kept)
@@ -12,7 +20,10 @@ Pipeline for a row (the order is part of the contract):
              -> token = argmax(softmax(x) / E),  E ~ Exponential(1) i.i.d. per token
 
 Invariants:
-- If every row is greedy, the sampler runs one argmax and nothing else (the benchmark hot path).
+- If no row has a penalty or wants logprobs and every row is greedy, the sampler runs one argmax
+  and nothing else: no per-row tensors (the benchmark hot path).
+- Penalties and logprobs are computed only for the rows that ask for them; the other rows'
+  logits are used unchanged. The caller's logits tensor is never written to.
 - Filters compose by masking logits to -inf; a token masked by one filter stays masked, so the
   sampled token always survives every filter of its row.
 - Filters use thresholds on values, not positions in a sort: tokens tied at a cut-off are kept
@@ -24,12 +35,17 @@ Invariants:
   needs no normalisation or cumulative sum.
 - A row with a seed draws its noise from its own torch.Generator seeded by a 64-bit mix of
   (seed, output position), masked to 63 bits. Every step on the row is row-wise, so its token
-  depends only on (seed, output position, its logits, its params): not on batch size, order or
-  the other rows. Rows without a seed share one batched draw from the default generator.
+  depends only on (seed, output position, its logits, its tokens, its params): not on batch
+  size, order or the other rows. Rows without a seed share one batched draw from the default
+  generator.
+- Logprobs are read back to the host inside the call (one synchronising copy, only when some
+  row wants them); token ids stay on the device.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -51,41 +67,157 @@ def row_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
+@dataclass(slots=True)
+class SampleRequest:
+    """What the sampler needs to know about one row. The token sequences are only read during
+    the call (the sampler keeps no reference), so a request's live lists may be passed."""
+
+    params: SamplingParams
+    output_position: int  # tokens the request has generated so far (the seed position)
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs for one sampled token: its own and the top tokens' (descending, ids on ties in
+    the order torch.topk gives), len(top) == min(params.logprobs, vocab)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [batch] on the logits' device
+    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
+
+
 class Sampler:
-    """Stateless; call it with a step's logits, per-row params and per-row output positions."""
+    """Stateless; call it with a step's logits and one SampleRequest per row."""
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        output_positions: Sequence[int],
-    ) -> torch.Tensor:
-        """Return int64 token ids [batch] on `logits.device`.
-
-        `logits` is [batch, vocab] of any float dtype; `params[i]` and `output_positions[i]`
-        (tokens row i's request has generated so far) describe row i.
-        """
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
+        """Sample one token per row of `logits` ([batch, vocab], any float dtype)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
-        if len(params) != batch or len(output_positions) != batch:
-            raise ValueError(
-                f"batch of {batch} logits rows needs as many params and output positions, "
-                f"got {len(params)} and {len(output_positions)}"
-            )
-        random_rows = [i for i, p in enumerate(params) if p.temperature != 0.0 and p.top_k != 1]
-        if not random_rows:
-            return logits.argmax(dim=-1)
+        if len(rows) != batch:
+            raise ValueError(f"batch of {batch} logits rows needs as many rows, got {len(rows)}")
+        random_rows: list[int] = []
+        penalized: list[int] = []
+        wants_logprobs: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.temperature != 0.0 and p.top_k != 1:
+                random_rows.append(i)
+            if p.has_penalties:
+                penalized.append(i)
+            if p.logprobs is not None:
+                wants_logprobs.append(i)
+        if not (random_rows or penalized or wants_logprobs):
+            return SamplerOutput(logits.argmax(dim=-1), [None] * batch)
+
+        x = _penalize_rows(logits, rows, penalized) if penalized else logits
         if len(random_rows) == batch:
-            return _sample_random(logits, params, output_positions)
-        out = logits.argmax(dim=-1)
-        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        sampled = _sample_random(
-            logits.index_select(0, index),
-            [params[i] for i in random_rows],
-            [output_positions[i] for i in random_rows],
-        )
-        return out.index_copy_(0, index, sampled)
+            token_ids = _sample_random(x, [r.params for r in rows],
+                                       [r.output_position for r in rows])
+        else:
+            token_ids = x.argmax(dim=-1)
+            if random_rows:
+                index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+                sampled = _sample_random(
+                    x.index_select(0, index),
+                    [rows[i].params for i in random_rows],
+                    [rows[i].output_position for i in random_rows],
+                )
+                token_ids.index_copy_(0, index, sampled)
+        logprobs: list[TokenLogprobs | None] = [None] * batch
+        if wants_logprobs:
+            _fill_logprobs(logprobs, x, token_ids, rows, wants_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+
+def _select(x: torch.Tensor, which: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows `which` of x, and their index tensor (None when `which` is every row in order)."""
+    if len(which) == x.shape[0]:
+        return x, None
+    index = torch.tensor(which, dtype=torch.long, device=x.device)
+    return x.index_select(0, index), index
+
+
+def _penalize_rows(
+    logits: torch.Tensor, rows: Sequence[SampleRequest], which: list[int]
+) -> torch.Tensor:
+    """float32 copy of `logits` with rows `which` penalised (the others converted only)."""
+    x = logits.float()
+    sub, index = _select(x, which)
+    penalized = _apply_penalties(sub, [rows[i] for i in which])
+    return penalized if index is None else x.index_copy(0, index, penalized)
+
+
+def _apply_penalties(x: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    """Penalised float32 logits [n, vocab] (out of place); every row has some penalty."""
+    vocab = x.shape[1]
+    params = [r.params for r in rows]
+    out_counts = _token_counts([r.output_token_ids for r in rows], vocab, x.device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # Rows with penalty 1 skip their prompt: x / 1 == x * 1 == x, so they pass unchanged.
+        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in rows]
+        seen = (_token_counts(prompts, vocab, x.device) > 0) | (out_counts > 0)
+        rep = _column([p.repetition_penalty for p in params], x.device)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        freq = _column([p.frequency_penalty for p in params], x.device)
+        pres = _column([p.presence_penalty for p in params], x.device)
+        x = x - freq * out_counts - pres * (out_counts > 0).float()
+    return x
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _token_counts(
+    seqs: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """counts[i, t] = occurrences of token t in seqs[i], float32 [len(seqs), vocab].
+
+    One scatter_add of every id at flat index i * vocab + t; ids are range-checked on the host
+    first, since an out-of-range id would silently count for another row.
+    """
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
+    counts = torch.zeros(len(seqs) * vocab, dtype=torch.float32, device=device)
+    if flat.numel():
+        if int(flat.min()) < 0 or int(flat.max()) >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
+        row = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.long), lengths)
+        index = (row * vocab + flat).to(device)
+        counts.scatter_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts.view(len(seqs), vocab)
+
+
+def _fill_logprobs(
+    out: list[TokenLogprobs | None],
+    x: torch.Tensor,
+    token_ids: torch.Tensor,
+    rows: Sequence[SampleRequest],
+    which: list[int],
+) -> None:
+    """Set out[i] for every row i in `which` from log_softmax(float32(x)) (penalised logits)."""
+    sub, index = _select(x, which)
+    chosen = token_ids if index is None else token_ids.index_select(0, index)
+    logprobs = torch.log_softmax(sub.float(), dim=-1)
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    ks = [min(rows[i].params.logprobs or 0, x.shape[1]) for i in which]
+    top_lp: list[list[float]] = [[] for _ in which]
+    top_ids: list[list[int]] = [[] for _ in which]
+    if max(ks) > 0:
+        top = logprobs.topk(max(ks), dim=-1)
+        top_lp, top_ids = top.values.tolist(), top.indices.tolist()
+    for j, (i, token, lp, k) in enumerate(zip(which, chosen.tolist(), chosen_lp, ks)):
+        out[i] = TokenLogprobs(token, lp, list(zip(top_ids[j][:k], top_lp[j][:k])))
 
 
 def _sample_random(

@@ -1,0 +1,110 @@
+"""`tessellm bench serve`: workload W2 of ../shared/bench/WORKLOAD.md against a running server.
+
+N streaming `/v1/completions` requests with Poisson arrivals at `request_rate` per second
+(exponential gaps from numpy's default_rng(seed)); prompts are W1's token-id rows; each asks
+for exactly output_len tokens (ignore_eos). Per request: TTFT (submit to first streamed
+token), TPOT ((end - first token) / (completion tokens - 1)), end-to-end latency. Prints one
+JSON object: request throughput, output token throughput, p50/p90/p99 of TTFT and TPOT.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    completion_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.completion_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.completion_tokens - 1)
+
+
+def _percentiles(values: list[float], unit: float = 1e3) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    arr = np.asarray(values) * unit
+    return {f"p{p}": round(float(np.percentile(arr, p)), 2) for p in (50, 90, 99)}
+
+
+async def _one(session: Any, url: str, body: dict[str, Any], headers: dict[str, str]
+               ) -> RequestResult:
+    t0 = time.perf_counter()
+    ttft = None
+    usage_tokens = 0
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                return RequestResult(False, error=f"HTTP {resp.status}: {await resp.text()}")
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return RequestResult(False, error=str(chunk["error"]))
+                if ttft is None and chunk.get("choices"):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # connection refused, reset...: counted as a failed request
+        return RequestResult(False, error=f"{type(e).__name__}: {e}")
+    end = time.perf_counter() - t0
+    return RequestResult(True, ttft if ttft is not None else end, end, usage_tokens)
+
+
+async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input_len: int,
+                          output_len: int, seed: int = 0, model: str | None = None,
+                          api_key: str | None = None) -> dict[str, Any]:
+    import aiohttp
+
+    base = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(100, 32000, size=(num_prompts, input_len)).tolist()
+    gaps = rng.exponential(1.0 / request_rate, size=num_prompts) if request_rate > 0 \
+        else np.zeros(num_prompts)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        if model is None:
+            async with session.get(f"{base}/v1/models", headers=headers) as r:
+                model = (await r.json())["data"][0]["id"]
+        tasks = []
+        t0 = time.perf_counter()
+        for prompt, gap in zip(prompts, gaps):
+            await asyncio.sleep(float(gap))
+            body = {"model": model, "prompt": prompt, "max_tokens": output_len,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            tasks.append(asyncio.create_task(
+                _one(session, f"{base}/v1/completions", body, headers)))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.completion_tokens for r in ok)
+    return {
+        "workload": "W2", "url": base, "num_prompts": num_prompts,
+        "request_rate": request_rate, "input_len": input_len, "output_len": output_len,
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "wall_s": round(wall, 3), "req_per_s": round(len(ok) / wall, 3),
+        "output_tok_per_s": round(out_tokens / wall, 2),
+        "ttft_ms": _percentiles([r.ttft_s for r in ok]),
+        "tpot_ms": _percentiles([t for r in ok if (t := r.tpot_s) is not None]),
+        "e2e_ms": _percentiles([r.latency_s for r in ok]),
+    }
