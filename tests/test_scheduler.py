@@ -1,8 +1,12 @@
-"""Scheduler: continuous batching, chunked prefill, recompute preemption, and random workloads."""
+"""Scheduler: continuous batching, chunked prefill, recompute preemption, prefix-cache hits at
+admission, and random workloads (with and without prefix caching).
+
+The fixed-shape tests run with prefix caching off (their prompts are all the same token, so
+hits would change the shapes); the prefix-caching tests come after them."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.errors import ConfigError, InvalidRequestError
@@ -21,9 +25,10 @@ def make_request(rid: str, n_prompt: int, max_tokens: int, eos: frozenset[int] =
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   threshold: int = 0) -> Scheduler:
+                   threshold: int = 0, prefix_caching: bool = False) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, threshold)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size,
+                                         enable_prefix_caching=prefix_caching))
 
 
 def sample_all(out: SchedulerOutput, token: int = TOKEN) -> dict[str, int]:
@@ -278,8 +283,12 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
             r.num_computed_tokens + s.num_tokens)
     tables = [kv.block_table(r.request_id) for r in sched.running]
     flat = [b for t in tables for b in t]
-    assert len(flat) == len(set(flat))                        # no block in two tables
-    assert len(flat) + kv.num_free_blocks == kv.num_blocks    # no leak
+    for b in set(flat):                                       # shared only via a cache hit
+        assert kv.pool.ref_count(b) == flat.count(b)
+        assert flat.count(b) == 1 or kv.pool.block_hash(b) is not None
+    if not kv.enable_prefix_caching:
+        assert len(flat) == len(set(flat)) and kv.pool.num_cached_blocks == 0
+    assert len(set(flat)) + kv.num_free_blocks == kv.num_blocks   # no leak
     assert all(kv.block_table(r.request_id) == [] for r in sched.waiting)
 
 
@@ -290,15 +299,17 @@ workload = st.lists(st.tuples(st.integers(1, 100), st.integers(1, 30), st.intege
 @settings(max_examples=100, deadline=None)
 @given(reqs=workload, block_size=st.sampled_from([1, 2, 4, 16]),
        extra_blocks=st.integers(0, 12), max_num_seqs=st.integers(1, 5),
-       budget=st.integers(1, 48), threshold=st.sampled_from([0, 0, 3, 16]))
+       budget=st.integers(1, 48), threshold=st.sampled_from([0, 0, 3, 16]),
+       caching=st.booleans())
 def test_random_workloads_finish_within_limits(
         reqs: list[tuple[int, int, int]], block_size: int, extra_blocks: int,
-        max_num_seqs: int, budget: int, threshold: int) -> None:
+        max_num_seqs: int, budget: int, threshold: int, caching: bool) -> None:
     """Requests arrive at random steps; a fake model samples TOKEN. Every step keeps the
-    limits, and every request ends with exactly max_tokens outputs and no block held."""
+    limits, and every request ends with exactly max_tokens outputs and no block held.
+    (All prompts are the same token, so with caching on, later requests hit earlier ones.)"""
     needed = max(-(-(p + m) // block_size) for p, m, _ in reqs)   # the engine's admission rule
     sched = make_scheduler(needed + extra_blocks, block_size, max_num_seqs, budget,
-                           max_model_len=256, threshold=threshold)
+                           max_model_len=256, threshold=threshold, prefix_caching=caching)
     requests = [make_request(str(i), p, m) for i, (p, m, _) in enumerate(reqs)]
     arrivals = sorted(range(len(reqs)), key=lambda i: reqs[i][2])
     total_scheduled, busy_steps, t = 0, 0, 0
@@ -320,23 +331,29 @@ def test_random_workloads_finish_within_limits(
     for r, (p, m, _) in zip(requests, reqs):
         assert r.finish_reason is FinishReason.LENGTH
         assert r.output_token_ids == [TOKEN] * m and r.num_computed_tokens == p + m - 1
-    # Each life of a request (first run, then once per preemption) computes < p + m tokens.
+    # Each life of a request (first run, then once per preemption) computes < p + m tokens;
+    # cache hits only lower that.
     bound = sum((p + m - 1) * (1 + r.num_preemptions) for r, (p, m, _) in zip(requests, reqs))
     assert busy_steps <= total_scheduled <= bound
+    if caching:
+        assert total_scheduled + sched.prefix_cache_hits <= bound
+    else:
+        assert sched.prefix_cache_queries == sched.prefix_cache_hits == 0
 
 
 @settings(max_examples=60, deadline=None)
 @given(reqs=workload, block_size=st.sampled_from([1, 4, 16]), extra_blocks=st.integers(0, 8),
        max_num_seqs=st.integers(1, 5), budget=st.integers(1, 48),
-       max_model_len=st.integers(100, 140), data=st.data())
+       max_model_len=st.integers(100, 140), caching=st.booleans(), data=st.data())
 def test_random_eos_aborts_and_length_caps_leave_nothing_behind(
         reqs: list[tuple[int, int, int]], block_size: int, extra_blocks: int,
-        max_num_seqs: int, budget: int, max_model_len: int, data: st.DataObject) -> None:
+        max_num_seqs: int, budget: int, max_model_len: int, caching: bool,
+        data: st.DataObject) -> None:
     """The fake model sometimes samples EOS (token 0), and requests are aborted at random
     times, even between schedule() and update_from_output()."""
     needed = max(-(-(p + m) // block_size) for p, m, _ in reqs)
     sched = make_scheduler(needed + extra_blocks, block_size, max_num_seqs, budget,
-                           max_model_len=max_model_len)
+                           max_model_len=max_model_len, prefix_caching=caching)
     requests = [make_request(str(i), p, m, eos=frozenset({0})) for i, (p, m, _) in enumerate(reqs)]
     for r in requests:
         sched.add_request(r)
@@ -363,3 +380,194 @@ def test_random_eos_aborts_and_length_caps_leave_nothing_behind(
             assert r.output_token_ids[-1] == 0
         elif r.finish_reason is FinishReason.LENGTH:
             assert len(r.output_token_ids) == m or r.num_tokens >= max_model_len
+
+
+# ---- prefix caching -------------------------------------------------------------------------
+
+def seq_request(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None
+                ) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), arrival_time=0.0,
+                   cache_salt=salt)
+
+
+def run_all(sched: Scheduler) -> None:
+    steps = 0
+    while sched.has_unfinished:
+        step(sched)
+        steps += 1
+        assert steps < 1000
+
+
+def test_admission_starts_at_the_cached_prefix() -> None:
+    sched = make_scheduler(prefix_caching=True)
+    a = seq_request("a", list(range(10)), 2)
+    sched.add_request(a)
+    run_all(sched)
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (10, 0)
+    b = seq_request("b", list(range(9)) + [50, 51, 52], 2)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert shape(out) == [("b", 4)] and b.num_computed_tokens == 8   # 2 of 3 blocks hit
+    assert out.num_batched_tokens == 4
+    sched.update_from_output(out, sample_all(out))
+    run_all(sched)
+    assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (22, 8)
+    assert sched.prefix_cache_hit_rate == pytest.approx(8 / 22)
+    st_ = sched.prefix_cache_stats
+    assert (st_.num_requests, st_.num_hit_requests) == (2, 1)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_a_later_request_shares_the_blocks_of_a_running_one() -> None:
+    sched = make_scheduler(prefix_caching=True, max_num_batched_tokens=8)
+    a = seq_request("a", list(range(12)), 3)
+    sched.add_request(a)
+    out, _ = step(sched)                               # a: tokens 0..7 computed, 2 blocks cached
+    assert shape(out) == [("a", 8)]
+    b = seq_request("b", list(range(12)) + [99], 3)
+    sched.add_request(b)
+    out, _ = step(sched)
+    assert shape(out) == [("a", 4), ("b", 4)]           # b hit 8 tokens; 4 of 5 left fit
+    ta, tb = sched.kv.block_table("a"), sched.kv.block_table("b")
+    assert ta[:2] == tb[:2] and len(set(ta[2:]) & set(tb[2:])) == 0
+    assert [sched.kv.pool.ref_count(x) for x in ta[:2]] == [2, 2]
+    run_all(sched)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_same_step_admissions_do_not_hit_each_other() -> None:
+    """Blocks are cached after the step that computes them, never while being written."""
+    sched = make_scheduler(prefix_caching=True)
+    for rid in "ab":
+        sched.add_request(seq_request(rid, list(range(9)), 1))
+    out, _ = step(sched)
+    assert shape(out) == [("a", 9), ("b", 9)] and sched.prefix_cache_hits == 0
+    assert sched.kv.pool.num_cached_blocks == 2        # a's two full blocks; b's duplicates not
+    c = seq_request("c", list(range(9)), 1)
+    sched.add_request(c)
+    out, _ = step(sched)
+    assert shape(out) == [("c", 1)] and sched.prefix_cache_hits == 8
+
+
+def test_salted_requests_do_not_share() -> None:
+    sched = make_scheduler(prefix_caching=True)
+    sched.add_request(seq_request("a", list(range(9)), 1, salt="x"))
+    run_all(sched)
+    for rid, salt, hit in (("b", "y", 0), ("c", None, 0), ("d", "x", 8)):
+        sched.add_request(seq_request(rid, list(range(9)), 1, salt=salt))
+        before = sched.prefix_cache_hits
+        run_all(sched)
+        assert sched.prefix_cache_hits - before == hit
+
+
+def test_a_preempted_request_resumes_from_its_cached_blocks() -> None:
+    sched = make_scheduler(num_blocks=5, block_size=4, prefix_caching=True)
+    a, b = seq_request("a", list(range(6)), 8), seq_request("b", list(range(20, 26)), 8)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(3):
+        step(sched)
+    out = sched.schedule()                   # both need a 3rd block, one is free: b goes
+    assert out.preempted == [b] and b.num_tokens == 9
+    sched.update_from_output(out, sample_all(out))
+    while b.status is RequestStatus.WAITING:
+        out, _ = step(sched)
+    # a's 4th block evicted b's last block (freed first); b's first block was still cached.
+    resumed = next(s for s in out.scheduled if s.request is b)
+    assert (b.num_computed_tokens - resumed.num_tokens, resumed.num_tokens) == (4, 5)
+    assert sched.prefix_cache_hits == 4
+    run_all(sched)
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 8
+
+
+def test_caching_off_counts_nothing() -> None:
+    sched = make_scheduler(prefix_caching=False)
+    for rid in "ab":
+        sched.add_request(seq_request(rid, list(range(9)), 1))
+        run_all(sched)
+    assert sched.prefix_cache_queries == sched.prefix_cache_hits == 0
+    assert sched.prefix_cache_hit_rate == 0.0
+
+
+class FakeModel:
+    """Stands in for the model runner over a fake KV cache: zeroes fresh blocks, writes the KV
+    of each scheduled position (named by the sequence's tokens 0..p), reads every computed
+    position through the block table (as attention does) and samples a token that depends on
+    all of it. A wrong hit or a zeroed shared block changes the tokens or fails the read."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv, self.slots = kv, {}
+        self.tokens_computed = 0
+
+    def slot(self, table: list[int], p: int) -> int:
+        bs = self.kv.block_size
+        return table[p // bs] * bs + p % bs
+
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        for block in self.kv.take_fresh_blocks():
+            for row in range(self.kv.block_size):
+                self.slots[block * self.kv.block_size + row] = None
+        sampled = {}
+        for s in out.scheduled:
+            r, table = s.request, self.kv.block_table(s.request.request_id)
+            start, stop = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            ids = r.all_token_ids
+            for p in range(start, stop):
+                self.slots[self.slot(table, p)] = tuple(ids[:p + 1])
+            self.tokens_computed += s.num_tokens
+            seen = [self.slots.get(self.slot(table, p)) for p in range(stop)]
+            assert seen == [tuple(ids[:p + 1]) for p in range(stop)]
+            if stop == r.num_tokens:
+                sampled[r.request_id] = 1 + sum(len(set(x)) * (i + 1)
+                                                for i, x in enumerate(seen)) % 3
+        return sampled
+
+
+def run_workload(prompts: list[list[int]], max_tokens: list[int], arrivals: list[int],
+                 caching: bool, num_blocks: int, block_size: int, max_num_seqs: int,
+                 budget: int) -> tuple[list[list[int]], int, Scheduler]:
+    sched = make_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len=256,
+                           prefix_caching=caching)
+    model = FakeModel(sched.kv)
+    requests = [seq_request(str(i), p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    t = 0
+    while order or sched.has_unfinished:
+        while order and arrivals[order[0]] <= t:
+            sched.add_request(requests[order.pop(0)])
+        t += 1
+        out = sched.schedule()
+        check_step(sched, out)
+        sched.update_from_output(out, model.run(out))
+        assert t < 5000
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    return [r.output_token_ids for r in requests], model.tokens_computed, sched
+
+
+BASES = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(reqs=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 16),
+                               st.lists(st.integers(0, 3), max_size=4),
+                               st.integers(1, 8), st.integers(0, 6)), min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 10),
+       max_num_seqs=st.integers(1, 4), budget=st.integers(1, 32))
+def test_random_shared_prefix_workloads_give_the_outputs_of_no_caching(
+        reqs: list[tuple[int, int, list[int], int, int]], block_size: int, extra_blocks: int,
+        max_num_seqs: int, budget: int) -> None:
+    """Prompts are cuts of two base sequences plus a random tail, arriving at random steps,
+    in a pool that may force preemption and eviction. With caching the fake KV each request
+    reads is its own, its tokens are those of the run without caching, and it computes no
+    more tokens."""
+    prompts = [(BASES[b][:cut] + tail) or [0] for b, cut, tail, _, _ in reqs]
+    max_tokens = [m for *_, m, _ in reqs]
+    arrivals = [a for *_, a in reqs]
+    needed = max(-(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens))
+    args = (needed + extra_blocks, block_size, max_num_seqs, budget)
+    plain, plain_tokens, _ = run_workload(prompts, max_tokens, arrivals, False, *args)
+    cached, cached_tokens, sched = run_workload(prompts, max_tokens, arrivals, True, *args)
+    assert cached == plain
+    if sched.prefix_cache_hits == 0:                   # then nothing differs at all
+        assert cached_tokens == plain_tokens
+    event("hit" if sched.prefix_cache_hits else "no hit")

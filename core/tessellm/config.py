@@ -21,6 +21,7 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
     kernel_selection: Literal["profile", "first"] | dict[str, str] = "profile"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessellm.sampling_params import SamplingParams
 
@@ -36,10 +37,12 @@ class Request:
     arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Any] = field(default_factory=list)  # per output token, when requested
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None  # prefix-cache namespace: only equal salts share KV blocks
 
     @property
     def num_tokens(self) -> int:

@@ -11,8 +11,10 @@ A step, in order:
      num_computed_tokens = 0, back to the waiting queue, output ids kept) and the allocation is
      retried; when the request itself is the most recent one it is preempted and the pass stops.
   2. Only if nothing was preempted: waiting requests in arrival order, while the budget and the
-     cap allow. The first one whose blocks cannot be allocated stops the pass (no skipping
-     ahead, so a long prompt is not starved by short ones behind it).
+     cap allow. Each first asks the KV manager for its prefix-cache hits (full blocks already
+     computed, never its last token) and starts at the tokens they cover, so it needs fewer
+     tokens of the budget. The first one whose blocks cannot be allocated stops the pass (no
+     skipping ahead, so a long prompt is not starved by short ones behind it).
 The output lists one-token entries (decodes) first, then the others, each group in the order
 it was scheduled: the model runner's attention wants decodes first.
 
@@ -29,16 +31,21 @@ Invariants:
     not fit, which add_request rules out, so every step with unfinished requests schedules at
     least one token (otherwise schedule() raises SchedulerError naming the request).
 
-schedule() and update_from_output() alternate: the computed counts move only in the latter.
+schedule() and update_from_output() alternate: the computed counts move only in the latter,
+except that admission sets a request's count to its prefix-cache hit. update_from_output()
+enters newly computed full blocks into the prefix cache (their KV is written by then).
+Prefix-cache counters (`prefix_cache_queries`, `prefix_cache_hits`, in tokens, and
+`prefix_cache_hit_rate`) count admissions; see tessellm.cache.prefix_cache.PrefixCacheStats.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.request import FinishReason, Request, RequestStatus
 
@@ -104,6 +111,7 @@ class Scheduler:
         self._unfinished: dict[str, Request] = {}
         self._waiting: list[tuple[int, Request]] = []       # heap keyed by arrival order
         self._running: list[Request] = []                   # sorted by arrival order
+        self._prefix_stats = PrefixCacheStats()
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -180,15 +188,19 @@ class Scheduler:
         while (not preempted and self._waiting and budget > 0
                and len(running) < self.config.max_num_seqs):
             request = self._waiting[0][1]
-            n = self._num_new_tokens(request, budget)
-            if not self.kv.allocate_slots(request, n):
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = self._num_new_tokens(request, budget, num_hit_tokens)
+            if not self.kv.allocate_slots(request, n, hits):
                 if not running:
                     raise SchedulerError(
                         f"request {request.request_id!r} cannot get KV blocks for {n} tokens "
-                        f"({self.kv.num_blocks_needed(n)} blocks) with nothing running: "
+                        f"after {num_hit_tokens} cached ones with nothing running: "
                         f"{self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free")
                 break
             heapq.heappop(self._waiting)
+            request.num_computed_tokens = num_hit_tokens
+            if self.kv.enable_prefix_caching:
+                self._prefix_stats.record(request.num_tokens, num_hit_tokens)
             request.status = RequestStatus.RUNNING
             bisect.insort(running, request, key=self._arrival_of)
             scheduled.append(ScheduledRequest(request, n))
@@ -216,6 +228,7 @@ class Scheduler:
             if request.is_finished:
                 continue
             request.num_computed_tokens += s.num_tokens
+            self.kv.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue
             request.append_output(sampled[request.request_id])
@@ -251,6 +264,26 @@ class Scheduler:
         """Waiting requests, next to be admitted first."""
         return tuple(r for _, r in sorted(self._waiting, key=lambda e: e[0]))
 
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens looked up in the prefix cache by admitted requests (0 when caching is off)."""
+        return self._prefix_stats.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens of admitted requests found computed in the prefix cache."""
+        return self._prefix_stats.hits
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """prefix_cache_hits / prefix_cache_queries (0.0 before any query)."""
+        return self._prefix_stats.hit_rate
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A copy of the counters (tokens and requests)."""
+        return replace(self._prefix_stats)
+
     def get_request(self, request_id: str) -> Request | None:
         return self._unfinished.get(request_id)
 
@@ -266,8 +299,12 @@ class Scheduler:
         more = min(request.params.max_tokens - 1, self.config.max_model_len - 1 - n_prompt)
         return n_prompt + max(more, 0)
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        missing = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int,
+                        num_computed: int | None = None) -> int:
+        """Tokens to grant: the missing ones (after `num_computed`, by default the request's
+        count) under the budget and the per-request threshold."""
+        done = request.num_computed_tokens if num_computed is None else num_computed
+        missing = request.num_tokens - done
         if missing < 1:
             raise SchedulerError(
                 f"request {request.request_id!r} has no token to compute; was the previous "

@@ -1,4 +1,5 @@
-"""BlockPool: LRU free queue, reference counts, and the invariants under random operations."""
+"""BlockPool: LRU free queue, reference counts, cached blocks and their eviction, and the
+invariants under random operations."""
 from __future__ import annotations
 
 import pytest
@@ -68,15 +69,52 @@ def test_misuse_raises_and_changes_nothing() -> None:
     assert pool.free_block_ids() == [2, 3]
 
 
+def test_cached_free_blocks_stay_hits_until_evicted_in_lru_order() -> None:
+    pool = BlockPool(5)
+    a = pool.allocate(3)                                  # [0, 1, 2]
+    for b, h in zip(a, (b"h0", b"h1", b"h2")):
+        assert pool.cache_block(b, h)
+    pool.free(reversed(a))                                # last block first
+    assert pool.free_block_ids() == [3, 4, 2, 1, 0] and pool.num_cached_blocks == 3
+    assert pool.cached_block(b"h0") == 0                  # free, still a hit
+    assert pool.allocate(2) == [3, 4] and pool.num_evictions == 0
+    assert pool.allocate(1) == [2]                        # the request's last block goes first
+    assert pool.cached_block(b"h2") is None and pool.block_hash(2) is None
+    assert pool.num_evictions == 1 and pool.num_cached_blocks == 2
+    pool.incref([pool.cached_block(b"h0")])               # a hit revives block 0
+    assert pool.free_block_ids() == [1] and pool.ref_count(0) == 1
+    assert pool.allocate(1) == [1] and pool.cached_block(b"h1") is None
+    assert pool.cached_block(b"h0") == 0 and pool.block_hash(0) == b"h0"
+
+
+def test_cache_block_rules() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    with pytest.raises(BlockPoolError):
+        pool.cache_block(2, b"x")                         # free: nobody vouches for its KV
+    with pytest.raises(BlockPoolError):
+        pool.cache_block(9, b"x")
+    assert pool.cache_block(a, b"x")
+    assert not pool.cache_block(b, b"x")                  # a duplicate stays uncached
+    assert not pool.cache_block(a, b"y")                  # a block is filled once
+    assert pool.block_hash(b) is None and pool.cached_block(b"x") == a
+    pool.free([a, b])
+    assert pool.num_free_blocks == 4 and pool.num_cached_blocks == 1
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.0])
 def test_bad_size(bad: object) -> None:
     with pytest.raises(ConfigError):
         BlockPool(bad)  # type: ignore[arg-type]
 
 
+HASHES = [bytes([i]) for i in range(8)]
+
+
 class PoolMachine(RuleBasedStateMachine):
-    """Random allocate / incref / free against a model: holders are lists of block ids, each
-    holding one reference to each of its blocks; the model queue mirrors the LRU order."""
+    """Random allocate / incref / free / cache against a model: holders are lists of block ids,
+    each holding one reference to each of its blocks; the model queue mirrors the LRU order;
+    the model cache maps hashes to blocks and loses a block exactly when it is allocated."""
 
     NUM_BLOCKS = 12
 
@@ -85,6 +123,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(self.NUM_BLOCKS)
         self.holders: list[list[int]] = []
         self.queue: list[int] = list(range(self.NUM_BLOCKS))
+        self.cache: dict[bytes, int] = {}
 
     @rule(n=st.integers(0, 5))
     def allocate(self, n: int) -> None:
@@ -95,6 +134,7 @@ class PoolMachine(RuleBasedStateMachine):
         got = self.pool.allocate(n)
         assert got == self.queue[:n]
         del self.queue[:n]
+        self.cache = {h: b for h, b in self.cache.items() if b not in got}
         self.holders.append(got)
 
     @precondition(lambda self: bool(self.holders))
@@ -122,6 +162,17 @@ class PoolMachine(RuleBasedStateMachine):
         still_held = {b for h in self.holders for b in h}
         self.queue.extend(b for b in order if b not in still_held)
 
+    @precondition(lambda self: bool(self.holders))
+    @rule(data=st.data(), block_hash=st.sampled_from(HASHES))
+    def cache(self, data: st.DataObject, block_hash: bytes) -> None:
+        block = data.draw(st.sampled_from(data.draw(st.sampled_from(self.holders)) or [None]))
+        if block is None:
+            return
+        fresh = block_hash not in self.cache and block not in self.cache.values()
+        assert self.pool.cache_block(block, block_hash) == fresh
+        if fresh:
+            self.cache[block_hash] = block
+
     @invariant()
     def invariants_hold(self) -> None:
         pool = self.pool
@@ -133,6 +184,11 @@ class PoolMachine(RuleBasedStateMachine):
             assert refs[b] == sum(h.count(b) for h in self.holders)
             assert (b in queue) == (refs[b] == 0)
         assert pool.num_free_blocks + sum(r > 0 for r in refs) == self.NUM_BLOCKS
+        assert {h: pool.cached_block(h) for h in HASHES if pool.cached_block(h) is not None} \
+            == self.cache
+        assert pool.num_cached_blocks == len(self.cache)
+        for h, b in self.cache.items():
+            assert pool.block_hash(b) == h
 
 
 TestPoolMachine = PoolMachine.TestCase

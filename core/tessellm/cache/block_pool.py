@@ -1,24 +1,29 @@
-"""The pool of fixed-size KV-cache blocks: reference counts and a free queue in LRU order.
+"""The pool of fixed-size KV-cache blocks: reference counts, a free queue in LRU order, and the
+prefix cache's hash <-> block map.
 
 A block holds the KV of `block_size` consecutive tokens of one sequence (the KV manager decides
-which). The pool only knows block ids 0..num_blocks-1 and who still references them.
+which). The pool only knows block ids 0..num_blocks-1, who still references them, and which
+of them hold a cached full block (named by its chained hash, see tessellm.cache.prefix_cache).
 
 Invariants (every public method keeps them; tests check them after random operation sequences):
   * a block is in the free queue iff its reference count is 0;
   * num_free_blocks + (number of blocks with a reference count > 0) == num_blocks;
-  * no block id is twice in the free queue (the queue is an OrderedDict's keys).
+  * no block id is twice in the free queue (the queue is an OrderedDict's keys);
+  * a cached block keeps its hash while it is held and while it sits in the free queue; it
+    loses it exactly when `allocate` takes it from the queue (eviction): it is then fresh.
 
 Free-queue order is eviction order: `allocate` takes from the head (the least recently freed
 block), `free` appends at the tail in the order it is given. Callers free a request's blocks in
 reverse, so that its last block (the one least likely to be shared by a later prompt) is evicted
-first. Nothing is cached yet; the order and `incref` (which also revives a block from the free
-queue) are what a prefix cache needs.
+first. A cached block with reference count 0 is still a prefix-cache hit until evicted:
+`incref` takes it out of the queue, wherever it is, and it is held again.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from typing import Iterable
 
+from tessellm.cache.prefix_cache import BlockHash, CachedBlockMap
 from tessellm.errors import ConfigError, TessellmError
 
 
@@ -31,7 +36,7 @@ class NoFreeBlocksError(BlockPoolError):
 
 
 class BlockPool:
-    __slots__ = ("_num_blocks", "_ref_counts", "_free")
+    __slots__ = ("_num_blocks", "_ref_counts", "_free", "_cached", "_num_evictions")
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -40,6 +45,8 @@ class BlockPool:
         self._ref_counts: list[int] = [0] * num_blocks
         # Keys in eviction order, head first; values unused. O(1) append, popleft and remove.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached = CachedBlockMap()
+        self._num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -57,8 +64,40 @@ class BlockPool:
         """The free queue, head (next to be allocated) first. A copy, for inspection."""
         return list(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that hold a cached full block (held or free)."""
+        return len(self._cached)
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks taken by `allocate` (and so dropped from the cache) so far."""
+        return self._num_evictions
+
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block holding the full block named `block_hash`, or None."""
+        return self._cached.get(block_hash)
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The hash of the cached full block `block_id` holds, or None when it is uncached."""
+        self._check_id(block_id)
+        return self._cached.hash_of(block_id)
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Enter a held block, whose KV is now complete, into the prefix cache under its hash.
+
+        False (nothing changes) when another block is cached under that hash already (the
+        first copy stays the cached one) or this block is cached already. Raises
+        BlockPoolError for a free block: only a holder knows that its KV is complete.
+        """
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            raise BlockPoolError(f"block {block_id} is free and cannot be cached")
+        return self._cached.insert(block_hash, block_id)
+
     def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks from the head of the free queue; each leaves with reference count 1.
+        """Take `n` blocks from the head of the free queue; each leaves with reference count 1
+        and out of the prefix cache (an evicted cached block's hash is dropped).
 
         Raises NoFreeBlocksError (and allocates nothing) when fewer than `n` blocks are free.
         """
@@ -71,6 +110,7 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             self._ref_counts[block_id] = 1
+            self._num_evictions += self._cached.evict(block_id)
             ids.append(block_id)
         return ids
 
@@ -107,4 +147,5 @@ class BlockPool:
                 f"block id {block_id!r} is not in 0..{self._num_blocks - 1}")
 
     def __repr__(self) -> str:
-        return f"BlockPool(num_blocks={self._num_blocks}, free={len(self._free)})"
+        return (f"BlockPool(num_blocks={self._num_blocks}, free={len(self._free)}, "
+                f"cached={len(self._cached)})")

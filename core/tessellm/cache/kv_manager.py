@@ -1,4 +1,4 @@
-"""Block tables of the requests in flight, over one BlockPool.
+"""Block tables of the requests in flight, over one BlockPool, with prefix caching.
 
 A request's block table lists, in token order, the blocks holding its KV: the token at
 position p lives in row p % block_size of block table[p // block_size], which is slot
@@ -11,24 +11,44 @@ table[p // block_size] * block_size + p % block_size of the flat cache.
                 computed: 0..5    new: 6..8    '.': room for later tokens
     allocate_slots(request, 3) adds block 42; 17 and 3 were held already.
 
-Invariants: a block is in at most one table (no sharing without a prefix cache); a table only
-grows, by exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until
-`free` returns it whole; allocation is all-or-nothing.
+Prefix caching (on unless enable_prefix_caching=False, which behaves exactly as before it
+existed). A full block whose KV is computed is entered into the cache under the chained hash
+of its tokens (`cache_full_blocks`, called after the step that computed it). A new request
+asks `get_computed_blocks` for the longest run of cached blocks at the start of its sequence,
+then passes them to `allocate_slots`, which shares them (incref) and appends fresh blocks:
+
+    cached:   h0 -> 17, h1 -> 3 (free, ref 0)    new prompt: 10 tokens, same first 8
+    get_computed_blocks -> ([17, 3], 8)          allocate_slots(r, 2, [17, 3])
+    table     [ 17 (shared) | 3 (revived) | 42 (fresh) ]   computed from token 8 on
+
+A hit never covers the sequence's last token (its logits are needed), so a sequence of
+exactly k full blocks can hit at most k - 1 of them.
+
+Invariants: a block's reference count is the number of tables holding it, and it is in two
+tables only if it is a cached block shared through a hit; a cached block holds exactly the KV
+its hash names and is never written again (it is cached only once all its positions are
+computed, and only positions >= num_computed_tokens are written); a table only grows, by
+exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until `free` returns
+it whole; allocation is all-or-nothing.
 
 Block 0 is the null block: reserved for life, never in a table, so block-table padding can
 point at it. The physical cache therefore has num_blocks + 1 blocks (`num_physical_blocks`).
-Blocks handed out since the last `take_fresh_blocks()` are reported by it, so the model runner
-can zero them before first use: together with a zeroed null block, every slot an attention
-kernel can read through a (padded) table holds finite values, whatever the pool held before.
+Blocks taken from the free queue since the last `take_fresh_blocks()` are reported by it (a
+cached block evicted for reuse too), so the model runner can zero them before first use:
+together with a zeroed null block, every slot an attention kernel can read through a (padded)
+table holds finite values, whatever the pool held before. Cache hits are never reported:
+they hold KV that other requests read.
 
-The manager needs only a request's id and computed-token count, so it takes anything shaped
-like that (tessellm.request.Request is) and imports nothing from the layers above.
+The manager needs only a request's id, token ids, computed-token count and cache salt, so it
+takes anything shaped like that (tessellm.request.Request is) and imports nothing from the
+layers above.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from tessellm.cache.block_pool import BlockPool
+from tessellm.cache.prefix_cache import BlockHash, extend_block_hashes
 from tessellm.errors import ConfigError, TessellmError
 
 
@@ -45,13 +65,23 @@ class SequenceState(Protocol):
     @property
     def num_computed_tokens(self) -> int: ...
 
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]: ...
+
 
 class KVCacheManager:
-    __slots__ = ("_pool", "_block_size", "_tables", "_fresh")
+    __slots__ = ("_pool", "_block_size", "_tables", "_fresh", "_caching", "_hashes",
+                 "_num_cached")
 
     NULL_BLOCK = 0
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -62,6 +92,15 @@ class KVCacheManager:
         self._block_size = block_size
         self._tables: dict[str, list[int]] = {}
         self._fresh: list[int] = []
+        self._caching = bool(enable_prefix_caching)
+        # Per request: hashes of its first full blocks (a prefix of the chain), and how many
+        # leading blocks of its table are cached or were offered to the cache already.
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached: dict[str, int] = {}
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._caching
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +118,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached ones included (they are evicted when needed)."""
         return self._pool.num_free_blocks
 
     @property
@@ -94,38 +134,103 @@ class KVCacheManager:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self._block_size)
 
-    def allocate_slots(self, request: SequenceState, num_new_tokens: int) -> bool:
-        """Grow the request's table to cover num_computed_tokens + num_new_tokens tokens.
+    def get_computed_blocks(self, request: SequenceState) -> tuple[list[int], int]:
+        """The cached blocks holding the longest run of full blocks at the start of the
+        request's sequence (prompt and any generated tokens), and the tokens they cover.
 
-        Returns False, allocating nothing, when the free queue is too short; the scheduler
-        then preempts or waits.
+        Never covers the last token. Changes no reference count: pass the blocks to
+        `allocate_slots` before anything else allocates. ([], 0) when caching is off.
+        Raises KVCacheError for a request that holds blocks already.
+        """
+        if not self._caching:
+            return [], 0
+        rid = request.request_id
+        if rid in self._tables:
+            raise KVCacheError(f"request {rid!r} holds blocks already; only a request "
+                               f"without blocks can start from cached ones")
+        max_hit_blocks = (request.num_tokens - 1) // self._block_size
+        hashes = self._hashes.setdefault(rid, [])
+        extend_block_hashes(hashes, max_hit_blocks, self._block_size, request.cache_salt,
+                            request.token_ids_slice)
+        blocks: list[int] = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self._pool.cached_block(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self._block_size
+
+    def allocate_slots(self, request: SequenceState, num_new_tokens: int,
+                       computed_blocks: Sequence[int] = ()) -> bool:
+        """Grow the request's table to cover num_computed_tokens + num_new_tokens tokens, or,
+        with `computed_blocks` (cache hits from get_computed_blocks, for a request without
+        blocks and no computed tokens), len(computed_blocks) * block_size + num_new_tokens
+        tokens, the table starting with those blocks; the caller then sets the request's
+        num_computed_tokens to the tokens they cover.
+
+        Returns False, changing nothing, when the free queue is too short (hits that sit in
+        the free queue count against it too); the scheduler then preempts or waits.
         """
         if num_new_tokens < 0:
             raise KVCacheError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        table = self._tables.get(request.request_id)
+        rid = request.request_id
+        table = self._tables.get(rid)
+        hits = list(computed_blocks)
+        if hits:
+            self._check_hits(request, table, hits)
         held = len(table) if table is not None else 0
-        missing = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens) - held
-        if missing <= 0:
+        num_tokens = request.num_computed_tokens + len(hits) * self._block_size + num_new_tokens
+        missing = max(self.num_blocks_needed(num_tokens) - held - len(hits), 0)
+        if missing == 0 and not hits:
             return True
-        if missing > self._pool.num_free_blocks:
+        revived = sum(self._pool.ref_count(b) == 0 for b in hits)
+        if missing + revived > self._pool.num_free_blocks:
             return False
+        self._pool.incref(hits)        # first: allocating must not evict a hit
         new_blocks = self._pool.allocate(missing)
         self._fresh.extend(new_blocks)
         if table is None:
-            self._tables[request.request_id] = new_blocks
+            self._tables[rid] = hits + new_blocks
+            if hits:
+                self._num_cached[rid] = len(hits)
         else:
             table.extend(new_blocks)
         return True
 
+    def cache_full_blocks(self, request: SequenceState) -> None:
+        """Enter the request's full blocks whose tokens are all computed into the prefix
+        cache. Call it after the step that computed them (their KV must be written); blocks
+        offered before are skipped, so calling it every step costs only the new blocks."""
+        if not self._caching:
+            return
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if not table:
+            return
+        num_full = min(request.num_computed_tokens // self._block_size, len(table))
+        start = self._num_cached.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes.setdefault(rid, [])
+        extend_block_hashes(hashes, num_full, self._block_size, request.cache_salt,
+                            request.token_ids_slice)
+        for i in range(start, num_full):
+            self._pool.cache_block(table[i], hashes[i])
+        self._num_cached[rid] = num_full
+
     def take_fresh_blocks(self) -> list[int]:
-        """Blocks allocated since the previous call (each once), for zeroing before use."""
+        """Blocks taken from the free queue since the previous call (each once), for zeroing
+        before use. Cache hits are not among them."""
         fresh, self._fresh = self._fresh, []
         return fresh
 
     def free(self, request: SequenceState) -> None:
-        """Return all the request's blocks, last block first, and forget its table.
-        A request without blocks (never allocated, or freed already) is a no-op."""
-        table = self._tables.pop(request.request_id, None)
+        """Return all the request's blocks, last block first, and forget its table (cached
+        blocks stay cached until evicted). A request without blocks is a no-op."""
+        rid = request.request_id
+        self._hashes.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        table = self._tables.pop(rid, None)
         if table:
             self._pool.free(reversed(table))
 
@@ -143,6 +248,20 @@ class KVCacheManager:
                 f"its {len(table)} block(s) of {bs} tokens")
         return [table[p // bs] * bs + p % bs for p in range(start, stop)]
 
+    def _check_hits(self, request: SequenceState, table: list[int] | None,
+                    hits: list[int]) -> None:
+        rid = request.request_id
+        if table is not None or request.num_computed_tokens != 0:
+            raise KVCacheError(f"request {rid!r} has blocks or computed tokens already; cached "
+                               f"blocks can only start a table")
+        if len(set(hits)) != len(hits) or any(self._pool.block_hash(b) is None for b in hits):
+            raise KVCacheError(f"computed blocks {hits} for request {rid!r} are not distinct "
+                               f"cached blocks")
+        if len(hits) * self._block_size >= request.num_tokens:
+            raise KVCacheError(f"computed blocks {hits} cover all {request.num_tokens} tokens "
+                               f"of request {rid!r}; the last one must be computed")
+
     def __repr__(self) -> str:
         return (f"KVCacheManager(num_blocks={self.num_blocks}, block_size={self._block_size}, "
-                f"free={self.num_free_blocks}, requests={len(self._tables)})")
+                f"free={self.num_free_blocks}, requests={len(self._tables)}, "
+                f"prefix_caching={self._caching})")

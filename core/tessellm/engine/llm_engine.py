@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner
+from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
@@ -36,7 +37,8 @@ class LLMEngine:
         c = parts.config
         self.parts = parts
         self.max_model_len = parts.max_model_len
-        self.kv = KVCacheManager(parts.num_kv_blocks, c.block_size)
+        self.kv = KVCacheManager(parts.num_kv_blocks, c.block_size,
+                                 enable_prefix_caching=c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=self.max_model_len), self.kv)
@@ -46,13 +48,13 @@ class LLMEngine:
         self.stats = StepStats()
         self._ids = itertools.count()
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        """Validate and queue a request; raises InvalidRequestError (nothing is queued then)."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if the request can never run here. Reads only immutable
+        configuration, so the async front end may call it from its own thread."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.parts.spec.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -64,8 +66,18 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the request needs {self.kv.num_blocks_needed(total)} KV blocks but the pool "
                 f"has {self.kv.num_blocks}")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and queue a request; raises InvalidRequestError (nothing is queued then).
+        `cache_salt`: only requests with the same salt share prefix-cache blocks."""
+        self.validate(prompt_token_ids, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(
+                f"cache_salt must be a string, got {type(cache_salt).__name__}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                          time.monotonic(), eos_token_ids=self.parts.eos_token_ids)
+                          time.monotonic(), eos_token_ids=self.parts.eos_token_ids,
+                          cache_salt=cache_salt)
         self.scheduler.add_request(request)
         return request
 
@@ -77,11 +89,13 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One engine step; returns requests that finished in it."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self.stage_times.add("schedule", time.perf_counter() - t0)
         if not out.scheduled:
             return []
         try:
-            sampled, token_ids = self.runner.execute(out, self.kv)
+            sampled, token_ids, logprobs = self.runner.execute(out, self.kv)
         except Exception as exc:
             # Only this step's requests fail; their blocks are freed and the engine goes on.
             failed = self.scheduler.finish_requests(
@@ -89,8 +103,19 @@ class LLMEngine:
             raise StepError(f"engine step failed for {len(failed)} request(s): "
                             f"{type(exc).__name__}: {exc}", failed) from exc
         self._count(out, token_ids)
-        return self.scheduler.update_from_output(
+        for request, lp in zip(sampled, logprobs):
+            if lp is not None:
+                request.output_logprobs.append(lp)
+        t1 = time.perf_counter()
+        finished = self.scheduler.update_from_output(
             out, {r.request_id: t for r, t in zip(sampled, token_ids)})
+        self.stage_times.add("update", time.perf_counter() - t1)
+        return finished
+
+    @property
+    def stage_times(self) -> StageTimes:
+        """Cumulative seconds per engine stage (the runner's and the engine's own)."""
+        return self.runner.stage_times
 
     def _count(self, out, token_ids: list[int]) -> None:
         self.stats.num_steps += 1

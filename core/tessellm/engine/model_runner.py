@@ -9,13 +9,15 @@ the scheduler: decodes first, then prefills, as AttentionMetadata requires.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import DevicePlugin, Event
-from tessellm.engine.sampler import Sampler
+from tessellm.engine.stage_times import StageTimes
+from tessellm.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.request import Request
@@ -65,6 +67,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = Sampler()
+        self.stage_times = StageTimes()
         self.stream = device.new_stream()
         alloc, host = device.allocator(), device.host_allocator()
         T, B, W = max_num_batched_tokens, max_num_seqs, max_blocks_per_seq
@@ -105,8 +108,12 @@ class ModelRunner:
         self.wait(self.stream.record_event())
         return views
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], list[int]]:
-        """Run one step; returns the requests that sampled and their new token ids."""
+    def execute(
+        self, out: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[list[Request], list[int], list[TokenLogprobs | None]]:
+        """Run one step; returns the requests that sampled, their new token ids and, per
+        request, the token's logprobs (None where its params.logprobs is None)."""
+        t0 = time.perf_counter()
         self._zero_blocks(kv.take_fresh_blocks())
         s = build_step_inputs(out, kv)
         width = max(len(t) for t in s.block_tables)
@@ -129,11 +136,18 @@ class ModelRunner:
         feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
                  "logits_indices": dev["logits_indices"][:max(1, len(s.logits_indices))]}
         feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
+        t1 = time.perf_counter()
         logits = self.plan.run(feeds)
+        self.device.synchronize()
+        t2 = time.perf_counter()
+        self.stage_times.add("prepare_inputs", t1 - t0)
+        self.stage_times.add("execute", t2 - t1)
         if not s.sampled:
-            return [], []
-        ids = self.sampler(logits, [r.params for r in s.sampled],
-                           [len(r.output_token_ids) for r in s.sampled])
+            return [], [], []
+        result = self.sampler(logits, [
+            SampleRequest(r.params, len(r.output_token_ids), r.prompt_token_ids,
+                          r.output_token_ids) for r in s.sampled])
         host = self.host_sampled[:len(s.sampled)]
-        self.wait(self.stream.copy(host, ids))
-        return s.sampled, host.tolist()
+        self.wait(self.stream.copy(host, result.token_ids))
+        self.stage_times.add("sample", time.perf_counter() - t2)
+        return s.sampled, host.tolist(), result.logprobs

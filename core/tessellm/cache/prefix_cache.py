@@ -1,0 +1,118 @@
+"""Prefix caching: content hashes of full KV blocks, the hash <-> block map, and its counters.
+
+A full block (block_size tokens) of a sequence is named by a chained hash:
+
+    h(-1) = root(cache_salt)                      (the salt seeds the chain)
+    h(i)  = sha256(h(i-1) || token ids of block i as little-endian int64)
+
+so h(i) names the whole prefix 0 .. (i+1)*block_size - 1, not just the block, and two
+sequences with equal token prefixes but different salts never share a hash. Partial blocks
+are never hashed or cached: their KV is still being written.
+
+Collision stance: digests are full sha256 (32 bytes). A collision would make one sequence read
+another's KV; with sha256 that needs 2**128 work, so it is treated as impossible (Python's
+`hash()` of a tuple is not used: 64 bits, and attacker-steerable through chosen prompts).
+
+`CachedBlockMap` holds the cached blocks: hash -> block id and back. Invariants: the two maps
+are inverse bijections (one block per hash, one hash per block); what a block's reference
+count is, and when it is evicted, is the BlockPool's business (it owns one of these maps).
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Callable
+
+BlockHash = bytes
+
+_NATIVE_LE = sys.byteorder == "little"  # array("q") is 8 bytes on every supported platform
+
+
+def root_hash(cache_salt: str | None) -> BlockHash:
+    """The chain's seed: distinct for no salt, each salt string (including "")."""
+    seed = b"tessellm-prefix-v1\x00" if cache_salt is None else (
+        b"tessellm-prefix-v1\x01" + cache_salt.encode("utf-8", "surrogatepass"))
+    return hashlib.sha256(seed).digest()
+
+
+def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
+    """The hash of a full block whose prefix before it hashes to `parent`."""
+    tokens = array("q", token_ids)
+    if not _NATIVE_LE:
+        tokens.byteswap()
+    return hashlib.sha256(parent + tokens.tobytes()).digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], num_full_blocks: int, block_size: int,
+                        cache_salt: str | None,
+                        token_ids_slice: Callable[[int, int], list[int]]) -> None:
+    """Append hashes to `hashes` (the chain of a sequence's first len(hashes) blocks) until it
+    covers `num_full_blocks` blocks. Token ids only ever get appended to a sequence, so
+    hashes already in the list stay valid."""
+    parent = hashes[-1] if hashes else root_hash(cache_salt)
+    for i in range(len(hashes), num_full_blocks):
+        parent = hash_block(parent, token_ids_slice(i * block_size, (i + 1) * block_size))
+        hashes.append(parent)
+
+
+class CachedBlockMap:
+    """hash -> block id and block id -> hash, kept inverse to each other."""
+
+    __slots__ = ("_by_hash", "_by_block")
+
+    def __init__(self) -> None:
+        self._by_hash: dict[BlockHash, int] = {}
+        self._by_block: dict[int, BlockHash] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def get(self, block_hash: BlockHash) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        return self._by_block.get(block_id)
+
+    def insert(self, block_hash: BlockHash, block_id: int) -> bool:
+        """Map the hash to the block. False (nothing changes) when the hash names another block
+        already (two sequences computed the same prefix: the first one stays the cached copy)
+        or the block has a hash already (then it is this one: a block is filled only once)."""
+        if block_hash in self._by_hash or block_id in self._by_block:
+            return False
+        self._by_hash[block_hash] = block_id
+        self._by_block[block_id] = block_hash
+        return True
+
+    def evict(self, block_id: int) -> bool:
+        """Forget the block's hash (it is about to hold other tokens). False if uncached."""
+        block_hash = self._by_block.pop(block_id, None)
+        if block_hash is None:
+            return False
+        del self._by_hash[block_hash]
+        return True
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters in tokens: `queries` sums the sequence lengths looked up when requests are
+    admitted (a request resumed after preemption counts again: its hit is saved work too),
+    `hits` the tokens found computed in the cache. Lookups of a request that is then not
+    admitted in that step are not counted (it is looked up again when it is)."""
+
+    queries: int = 0
+    hits: int = 0
+    num_requests: int = 0
+    num_hit_requests: int = 0
+
+    def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.queries += num_query_tokens
+        self.hits += num_hit_tokens
+        self.num_requests += 1
+        self.num_hit_requests += num_hit_tokens > 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / queries in [0, 1]; 0.0 before any query."""
+        return self.hits / self.queries if self.queries else 0.0
