@@ -1,4 +1,4 @@
-"""`tessellm` command: generate, plugins, kernels, bench."""
+"""`tessellm` command: generate, serve, plugins, kernels, bench."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +70,28 @@ def cmd_bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from tessellm.cli.bench_serve import run_bench_serve
+    result = asyncio.run(run_bench_serve(a.url, a.num_prompts, a.request_rate, a.input_len,
+                                         a.output_len, seed=a.seed, model=a.model,
+                                         api_key=a.api_key))
+    print(json.dumps(result))
+    return 0 if result["failed"] == 0 else 1
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tessellm.server.serve import run_server
+    from tessellm.server.server_config import load_configs
+    server_flags = ("host", "port", "api_key", "max_queue", "max_body_bytes", "max_n",
+                    "chat_template", "drain_timeout_s")
+    overrides = {**engine_options(a), "model": a.model,
+                 **{k: getattr(a, k) for k in server_flags}}
+    engine_config, server_config = load_configs(a.config, overrides)
+    return run_server(engine_config, server_config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tessellm", description=__doc__)
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -97,6 +119,24 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kernels)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (demo model without --model)")
+    _engine_args(s)
+    s.set_defaults(device=None, dtype=None)  # unset flags leave the --config file's values
+    s.add_argument("--config", default=None, help="YAML file: engine and server options "
+                   "(CLI flags override it; unknown keys are an error)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8000; 0: a free one)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default $TESSELLM_API_KEY)")
+    s.add_argument("--max-queue", type=int, default=None,
+                   help="most requests waiting to run; beyond it 503 + Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=None, help="request body limit (413)")
+    s.add_argument("--max-n", type=int, default=None, help="largest n per request")
+    s.add_argument("--chat-template", default=None, help="Jinja chat template file")
+    s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
+                   help="seconds in-flight requests may finish after SIGTERM")
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="offline throughput, workload W1")
@@ -107,6 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--warmup-output-len", type=int, default=4)
     t.set_defaults(func=cmd_bench_throughput)
+    sv = bsub.add_parser("serve", help="online serving against a running server, workload W2")
+    sv.add_argument("--url", default="http://127.0.0.1:8000")
+    sv.add_argument("--num-prompts", type=int, default=128)
+    sv.add_argument("--request-rate", type=float, default=4.0,
+                    help="Poisson arrival rate, requests/s (0: all at once)")
+    sv.add_argument("--input-len", type=int, default=128)
+    sv.add_argument("--output-len", type=int, default=128)
+    sv.add_argument("--seed", type=int, default=0)
+    sv.add_argument("--model", default=None, help="model name (default: the server's first)")
+    sv.add_argument("--api-key", default=None)
+    sv.set_defaults(func=cmd_bench_serve)
     return ap
 
 

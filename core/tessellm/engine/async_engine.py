@@ -190,11 +190,14 @@ class AsyncEngine:
         except TessellmError as e:  # validated on the loop; a late refusal still answers
             self._post(StreamDelta(command.request_id, [], "", [], True, "error", str(e)))
             return
-        self._arrivals[command.request_id] = command.arrival
+        if self.observer is not None:
+            self._arrivals[command.request_id] = command.arrival
         self._outputs.track(request, command.stop)
 
     def _emit(self, request_id: str) -> None:
         delta, finish_now = self._outputs.collect(request_id)
+        if delta is not None and delta.finished:
+            self._arrivals.pop(request_id, None)  # never scheduled (aborted while waiting)
         if finish_now:
             self.engine.scheduler.finish_requests([request_id], FinishReason.STOP)
         if delta is not None:

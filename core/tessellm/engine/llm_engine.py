@@ -121,4 +121,6 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(out.preempted)
         self.stats.num_generated_tokens += len(token_ids)
-        self.stats.num_prompt_tokens += out.num_batched_tokens - len(token_ids)
+        for s in out.scheduled:  # prompt positions among the tokens computed this step
+            start, n_prompt = s.request.num_computed_tokens, s.request.num_prompt_tokens
+            self.stats.num_prompt_tokens += max(0, min(start + s.num_tokens, n_prompt) - start)

@@ -1,0 +1,130 @@
+"""The aiohttp Application: routes and middlewares.
+
+Middlewares, outermost first:
+  1. context: the request id (client's X-Request-Id if valid, else `cmpl-<uuid>`), echoed on
+     every answer; every error, expected or not, becomes an OpenAI error object here;
+  2. guard: while draining (SIGTERM) /v1/* answers 503; with an API key, /v1/* requires
+     `Authorization: Bearer <key>` (compared in constant time) or answers 401.
+/health, /metrics and /v1/models are cheap and never touch the engine's queue.
+The engine is started when the app starts and shut down (aborting leftovers) on cleanup.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from tessellm.server.chat import create_chat_completion
+from tessellm.server.completions import create_completion
+from tessellm.server.errors import APIError, from_exception, internal_error
+from tessellm.server.requests import (
+    ARRIVAL,
+    REQUEST_ID,
+    STATE_KEY,
+    arrival_now,
+    client_request_id,
+    new_request_id,
+)
+from tessellm.server.state import ServerState
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request[ARRIVAL] = arrival_now()
+    try:
+        request_id = client_request_id(request.headers.get("X-Request-Id"))
+    except APIError as e:
+        return e.response(new_request_id())
+    request[REQUEST_ID] = request_id
+    try:
+        response = await handler(request)
+    except Exception as exc:  # every failure answers an OpenAI error object
+        err = from_exception(exc)
+        if err is None:
+            log.exception("[%s] unhandled error in %s %s", request_id, request.method,
+                          request.path)
+            err = internal_error()
+        elif err.status >= 500:
+            log.error("[%s] %s %s -> %d: %s", request_id, request.method, request.path,
+                      err.status, err.message)
+        else:
+            log.info("[%s] %s %s -> %d: %s", request_id, request.method, request.path,
+                     err.status, err.message)
+        return err.response(request_id)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path.startswith("/v1/"):
+        state = request.app[STATE_KEY]
+        if state.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        key = state.config.api_key
+        if key is not None:
+            given = request.headers.get("Authorization", "")
+            expected = f"Bearer {key.get_secret_value()}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                raise APIError(401, "missing or incorrect API key: send 'Authorization: "
+                               "Bearer <key>'", code="invalid_api_key",
+                               headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while the engine thread runs; 503 once it died or the server is draining."""
+    state = request.app[STATE_KEY]
+    engine = state.engine
+    if state.draining:
+        raise APIError(503, "the server is shutting down", type="service_unavailable")
+    if engine.is_alive:
+        return web.json_response({"status": "ok"})
+    reason = f"engine thread is not running ({engine.fatal_error!r})" if engine.fatal_error \
+        else "engine thread is not running"
+    raise APIError(503, reason, type="service_unavailable")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.created,
+        "owned_by": "tessellm", "max_model_len": state.max_model_len}]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; "
+                                                            "charset=utf-8"})
+
+
+async def _start_engine(app: web.Application) -> None:
+    app[STATE_KEY].engine.start()
+
+
+async def _stop_engine(app: web.Application) -> None:
+    state = app[STATE_KEY]
+    await state.engine.shutdown(0.0)
+    state.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_app(state: ServerState) -> web.Application:
+    """The app of one server; the AsyncEngine in `state` must not be started yet."""
+    app = web.Application(middlewares=[context_middleware, guard_middleware],
+                          client_max_size=state.config.max_body_bytes)
+    app[STATE_KEY] = state
+    state.engine.observer = state.metrics
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.on_startup.append(_start_engine)
+    app.on_cleanup.append(_stop_engine)
+    return app

@@ -1,0 +1,83 @@
+"""POST /v1/completions.
+
+Choices are indexed prompt-major: choice k = prompt_index * n + i. Usage counts each prompt
+once and every choice's generated tokens.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from tessellm.engine.output_processor import StreamDelta
+from tessellm.server.errors import bad_request
+from tessellm.server.generation import ChoiceResult, respond
+from tessellm.server.logprobs import CompletionLogprobs, TokenTexts
+from tessellm.server.params import check_limits, resolve_max_tokens, sampling_params
+from tessellm.server.protocol import CompletionRequest
+from tessellm.server.requests import read_body, request_context
+
+
+class CompletionShape:
+    """The JSON of text_completion answers and chunks for one request."""
+
+    def __init__(self, request_id: str, model: str, texts: TokenTexts, logprobs: bool,
+                 include_usage: bool) -> None:
+        self._base = {"id": request_id, "object": "text_completion",
+                      "created": int(time.time()), "model": model}
+        self._texts = texts
+        self._logprobs = logprobs
+        self._usage_field = include_usage
+        self._builders: dict[int, CompletionLogprobs] = {}
+
+    def _lp(self, index: int, entries: list[Any]) -> dict[str, list] | None:
+        if not self._logprobs:
+            return None
+        builder = self._builders.setdefault(index, CompletionLogprobs(self._texts))
+        return builder.build(entries)
+
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunks(self, index: int, delta: StreamDelta) -> list[dict[str, Any]]:
+        if not delta.text and not delta.finished and not (self._logprobs and delta.logprobs):
+            return []
+        choice = {"index": index, "text": delta.text, "logprobs": self._lp(index, delta.logprobs),
+                  "finish_reason": delta.finish_reason if delta.finished else None}
+        chunk = {**self._base, "choices": [choice]}
+        if self._usage_field:
+            chunk["usage"] = None
+        return [chunk]
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._base, "choices": [], "usage": usage}
+
+    def response(self, results: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+        choices = [{"index": r.index, "text": r.text,
+                    "logprobs": self._lp(r.index, r.logprobs),
+                    "finish_reason": r.finish_reason} for r in results]
+        return {**self._base, "choices": choices, "usage": usage}
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state, request_id, start = request_context(request)
+    req = await read_body(request, CompletionRequest)
+    state.check_model(req.model)
+    prompts = req.prompts
+    check_limits(req, state.config.max_n, len(prompts))
+    token_lists: list[list[int]] = []
+    for p in prompts:
+        if not p:
+            raise bad_request("the prompt is empty", "prompt")
+        token_lists.append(await state.encode(p) if isinstance(p, str) else list(p))
+    seqs = []
+    for ids in token_lists:
+        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
+        seqs += [(ids, sampling_params(req, max_tokens, req.logprobs, i)) for i in range(req.n)]
+    streams = state.submit(request_id, seqs, req.stop_strings)
+    shape = CompletionShape(request_id, state.model_name, state.texts, req.logprobs is not None,
+                            req.stream and req.include_usage)
+    return await respond(request, state, request_id, streams, shape, stream=req.stream,
+                         include_usage=req.include_usage,
+                         num_prompt_tokens=sum(len(t) for t in token_lists), start=start)

@@ -1,0 +1,133 @@
+"""Driving the engine streams of one request into an HTTP answer, whole or as SSE.
+
+The endpoint-specific JSON lives in a ResponseShape (completions.py, chat.py); the loops here
+are shared. A sequence that finishes with "error" (a failed engine step) or "abort" (server
+shutdown) fails the whole request: 500 / 503 before anything was sent, an SSE error event
+then [DONE] after. Leaving early for any reason aborts the other sequences (streams.merged).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from tessellm.engine.async_engine import RequestStream
+from tessellm.engine.output_processor import StreamDelta
+from tessellm.server.errors import APIError
+from tessellm.server.sse import SSEWriter
+from tessellm.server.state import ServerState
+from tessellm.server.streams import merged
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ChoiceResult:
+    """One sequence's whole output (non-streaming answers)."""
+
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add(self, delta: StreamDelta) -> None:
+        self.text_parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs or ())
+        self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+
+
+class ResponseShape(Protocol):
+    def first_chunks(self, num_choices: int) -> list[dict[str, Any]]: ...
+
+    def delta_chunks(self, index: int, delta: StreamDelta) -> list[dict[str, Any]]: ...
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+    def response(self, results: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]: ...
+
+
+def usage_of(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
+            "total_tokens": num_prompt_tokens + num_output_tokens}
+
+
+def failure(delta: StreamDelta) -> APIError:
+    if delta.finish_reason == "abort":
+        return APIError(503, "the request was aborted: the server is shutting down", code=503,
+                        type="service_unavailable")
+    return APIError(500, f"the engine failed while generating this request "
+                    f"({delta.error or 'unknown error'}); other requests are unaffected",
+                    code=500, type="server_error")
+
+
+async def respond(request: web.Request, state: ServerState, request_id: str,
+                  streams: list[RequestStream], shape: ResponseShape, *, stream: bool,
+                  include_usage: bool, num_prompt_tokens: int, start: float
+                  ) -> web.StreamResponse:
+    timers = [state.metrics.timer(start) for _ in streams]
+    try:
+        if stream:
+            return await _stream(request, request_id, streams, shape, timers, include_usage,
+                                 num_prompt_tokens)
+        return await _whole(request_id, streams, shape, timers, num_prompt_tokens)
+    finally:  # whatever happened (even before the streams were read), nothing is left running
+        for s in streams:
+            s.abort()
+        for t in timers:  # sequences left before their end were aborted
+            t.finish("abort")
+
+
+async def _whole(request_id: str, streams: list[RequestStream], shape: ResponseShape,
+                 timers: list, num_prompt_tokens: int) -> web.Response:
+    results = [ChoiceResult(k) for k in range(len(streams))]
+    async with merged(streams) as deltas:
+        async for k, d in deltas:
+            timers[k].on_tokens(len(d.token_ids))
+            results[k].add(d)
+            if d.finished:
+                timers[k].finish(d.finish_reason or "stop")
+                if d.finish_reason in ("error", "abort"):
+                    log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
+                    raise failure(d)
+    usage = usage_of(num_prompt_tokens, sum(r.num_output_tokens for r in results))
+    return web.json_response(shape.response(results, usage),
+                             headers={"X-Request-Id": request_id})
+
+
+async def _stream(request: web.Request, request_id: str, streams: list[RequestStream],
+                  shape: ResponseShape, timers: list, include_usage: bool,
+                  num_prompt_tokens: int) -> web.StreamResponse:
+    writer = SSEWriter(request, request_id)
+    outputs = [0] * len(streams)
+    try:
+        await writer.start()
+        for chunk in shape.first_chunks(len(streams)):
+            await writer.send(chunk)
+        async with merged(streams) as deltas:
+            async for k, d in deltas:
+                timers[k].on_tokens(len(d.token_ids))
+                outputs[k] = max(outputs[k], d.num_output_tokens)
+                if d.finished:
+                    timers[k].finish(d.finish_reason or "stop")
+                    if d.finish_reason in ("error", "abort"):
+                        log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
+                        await writer.send(failure(d).body())
+                        await writer.done()
+                        return writer.response
+                for chunk in shape.delta_chunks(k, d):
+                    await writer.send(chunk)
+        if include_usage:
+            await writer.send(shape.usage_chunk(usage_of(num_prompt_tokens, sum(outputs))))
+        await writer.done()
+    except ConnectionResetError:
+        log.info("[%s] client disconnected; request aborted", request_id)
+    return writer.response

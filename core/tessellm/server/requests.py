@@ -1,0 +1,74 @@
+"""Per-request plumbing shared by the handlers: app/request keys, the request id, and
+reading a JSON body into a schema (invalid JSON 400, over the size limit 413, wrong types 400).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from tessellm.server.errors import APIError, bad_request, validation_error
+from tessellm.server.state import ServerState
+
+STATE_KEY = web.AppKey("tessellm_state", ServerState)
+# typed request keys where aiohttp has them (3.12+: plain str keys warn), str keys before
+_RequestKey = getattr(web, "RequestKey", None)
+REQUEST_ID: Any = _RequestKey("tessellm_request_id", str) if _RequestKey else "tessellm_request_id"
+ARRIVAL: Any = _RequestKey("tessellm_arrival", float) if _RequestKey else "tessellm_arrival"
+MAX_REQUEST_ID_LEN = 128
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def new_request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def client_request_id(value: str | None) -> str:
+    """The client's X-Request-Id when valid (printable ASCII, 1..128 chars), else a new id;
+    an invalid one is a 400 (silently replacing it would break the client's log joins)."""
+    if value is None:
+        return new_request_id()
+    if not 0 < len(value) <= MAX_REQUEST_ID_LEN or not (value.isascii() and value.isprintable()):
+        raise bad_request(f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
+                          f"characters", "X-Request-Id")
+    return value
+
+
+def request_context(request: web.Request) -> tuple[ServerState, str, float]:
+    """(state, request id, arrival time) of a request the middleware has seen."""
+    return request.app[STATE_KEY], request[REQUEST_ID], request[ARRIVAL]
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_body(request: web.Request, model: type[M]) -> M:
+    limit = request.app[STATE_KEY].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"the request body has {request.content_length} bytes; the limit "
+                       f"is {limit}")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"the request body is larger than the limit of {limit} bytes") \
+            from None
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def arrival_now() -> float:
+    return time.monotonic()

@@ -1,0 +1,100 @@
+"""ServerConfig and the YAML config file of `tessellm serve`.
+
+The YAML file is one flat mapping: EngineConfig fields and ServerConfig fields side by side.
+Precedence, lowest first: field defaults < the environment (TESSELLM_API_KEY only) < the YAML
+file < command-line flags. A key that belongs to neither config is an error naming the key;
+so is a key whose value has the wrong type (pydantic's message, with the key's name).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from tessellm.config import EngineConfig
+from tessellm.errors import ConfigError
+
+API_KEY_ENV = "TESSELLM_API_KEY"
+
+
+class ServerConfig(BaseModel):
+    """Options of the HTTP server (the engine's live in EngineConfig)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (printed)")
+    api_key: SecretStr | None = Field(None, description=f"require `Authorization: Bearer` on "
+                                      f"/v1/*; default ${API_KEY_ENV}")
+    max_queue: int = Field(256, ge=1, description="most requests waiting for a first schedule")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger bodies get 413")
+    max_n: int = Field(16, ge=1, description="largest `n` (and prompts per completion request)")
+    chat_template: str | None = Field(None, description="Jinja chat template file; default "
+                                      "the tokenizer's")
+    drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight "
+                                   "requests may finish before they are aborted")
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_nonempty(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value():
+            raise ValueError("api_key must not be empty")
+        return v
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"
+                     for e in exc.errors())
+
+
+def read_yaml_config(path: str | Path) -> dict[str, Any]:
+    """The YAML file as a flat dict (safe_load: no arbitrary objects)."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of keys to values, "
+                          f"found {type(data).__name__}")
+    return data
+
+
+def build_configs(file_values: Mapping[str, Any] | None = None,
+                  overrides: Mapping[str, Any] | None = None,
+                  environ: Mapping[str, str] | None = None,
+                  source: str = "config") -> tuple[EngineConfig, ServerConfig]:
+    """Split the flat key space into (EngineConfig, ServerConfig); `overrides` (CLI flags,
+    None values dropped) win over `file_values`. Raises ConfigError naming a bad key."""
+    engine_keys, server_keys = set(EngineConfig.model_fields), set(ServerConfig.model_fields)
+    values = dict(file_values or {})
+    for key in values:
+        if not isinstance(key, str) or key not in engine_keys | server_keys:
+            raise ConfigError(f"unknown key {key!r} in {source}; valid keys: "
+                              f"{', '.join(sorted(engine_keys | server_keys))}")
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    env = os.environ if environ is None else environ
+    if values.get("api_key") is None and env.get(API_KEY_ENV):
+        values["api_key"] = env[API_KEY_ENV]
+    try:
+        engine = EngineConfig(**{k: v for k, v in values.items() if k in engine_keys})
+        server = ServerConfig(**{k: v for k, v in values.items() if k in server_keys})
+    except ValidationError as e:
+        raise ConfigError(f"invalid {source}: {_validation_message(e)}") from None
+    return engine, server
+
+
+def load_configs(path: str | Path | None, overrides: Mapping[str, Any] | None = None,
+                 environ: Mapping[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """build_configs over the YAML file at `path` (or no file)."""
+    file_values = read_yaml_config(path) if path is not None else {}
+    source = f"config file {str(path)!r}" if path is not None else "options"
+    return build_configs(file_values, overrides, environ, source)

@@ -1,0 +1,108 @@
+"""ServerState: what every handler of one app shares (engine, tokenizer, limits, metrics).
+
+Tokenization and chat-template rendering run on one dedicated worker thread, never on the
+event loop (one thread: a Hugging Face fast tokenizer must not be mutated concurrently, and
+one worker keeps a burst of long prompts from taking every core from the engine).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessellm.engine.async_engine import AsyncEngine, RequestStream
+from tessellm.sampling_params import SamplingParams
+from tessellm.server.errors import APIError, bad_request
+from tessellm.server.logprobs import TokenTexts
+from tessellm.server.metrics import ServerMetrics
+from tessellm.server.server_config import ServerConfig
+
+NO_CHAT_TEMPLATE = ("this model has no chat template; start the server with "
+                    "--chat-template FILE (a Jinja template) or use /v1/completions")
+
+
+def served_model_name(model: str | None) -> str:
+    """The name clients pass as `model`: the model directory's basename, or "demo"."""
+    if model is None:
+        return "demo"
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    config: ServerConfig
+    model_name: str
+    model_aliases: frozenset[str]
+    max_model_len: int
+    chat_template: str | None
+    metrics: ServerMetrics
+    texts: TokenTexts
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="tessellm-tokenize"))
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, config: ServerConfig, model_path: str | None,
+              chat_template: str | None = None) -> ServerState:
+        tok = engine.engine.parts.tokenizer
+        name = served_model_name(model_path)
+        aliases = {name}
+        if model_path is not None:
+            aliases |= {model_path, os.path.normpath(model_path), os.path.abspath(model_path)}
+        template = chat_template or getattr(tok, "chat_template", None) or None
+        return cls(engine, tok, config, name, frozenset(aliases), engine.engine.max_model_len,
+                   template, ServerMetrics(engine), TokenTexts(tok))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def encode(self, text: str) -> list[int]:
+        """Prompt text -> token ids, exactly as the offline LLM.encode does."""
+        return list(await self._off_loop(self.tokenizer.encode, text))
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages -> the chat template's text (with the generation prompt) -> token ids.
+        The template writes its own special tokens, so none are added on top."""
+        if self.chat_template is None:
+            raise bad_request(NO_CHAT_TEMPLATE, "messages")
+
+        def render() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=True)
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+        try:
+            return await self._off_loop(render)
+        except APIError:
+            raise
+        except Exception as e:  # a template raising on these messages: the client's to fix
+            raise bad_request(f"the chat template failed on these messages: "
+                              f"{type(e).__name__}: {e}", "messages") from None
+
+    def submit(self, request_id: str, seqs: Sequence[tuple[list[int], SamplingParams]],
+               stop: list[str]) -> list[RequestStream]:
+        """Add every sequence to the engine (ids `<request_id>-<k>` when there are several),
+        or none: on an error the ones already added are aborted and the error propagates."""
+        streams: list[RequestStream] = []
+        try:
+            for k, (ids, params) in enumerate(seqs):
+                rid = request_id if len(seqs) == 1 else f"{request_id}-{k}"
+                streams.append(self.engine.add_request(ids, params, rid, stop=stop or None))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
