@@ -1,7 +1,7 @@
 """`tessellm bench serve`: workload W2 of ../shared/bench/WORKLOAD.md against a running server.
 
 N streaming `/v1/completions` requests with Poisson arrivals at `request_rate` per second
-(exponential gaps from numpy's default_rng(seed)); prompts are W1's token-id rows; each asks
+(exponential gaps from numpy's default_rng(seed)); prompts are W1's token-id rows (ids below vocab_size); each asks
 for exactly output_len tokens (ignore_eos). Per request: TTFT (submit to first streamed
 token), TPOT ((end - first token) / (completion tokens - 1)), end-to-end latency. Prints one
 JSON object: request throughput, output token throughput, p50/p90/p99 of TTFT and TPOT.
@@ -70,13 +70,15 @@ async def _one(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
 
 async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input_len: int,
                           output_len: int, seed: int = 0, model: str | None = None,
-                          api_key: str | None = None) -> dict[str, Any]:
+                          api_key: str | None = None, vocab_size: int = 32000
+                          ) -> dict[str, Any]:
     import aiohttp
 
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(100, 32000, size=(num_prompts, input_len)).tolist()
+    prompts = rng.integers(min(100, vocab_size - 1), min(32000, vocab_size),
+                           size=(num_prompts, input_len)).tolist()
     gaps = rng.exponential(1.0 / request_rate, size=num_prompts) if request_rate > 0 \
         else np.zeros(num_prompts)
     timeout = aiohttp.ClientTimeout(total=None)

@@ -76,7 +76,7 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     from tessellm.cli.bench_serve import run_bench_serve
     result = asyncio.run(run_bench_serve(a.url, a.num_prompts, a.request_rate, a.input_len,
                                          a.output_len, seed=a.seed, model=a.model,
-                                         api_key=a.api_key))
+                                         api_key=a.api_key, vocab_size=a.vocab_size))
     print(json.dumps(result))
     return 0 if result["failed"] == 0 else 1
 
@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--seed", type=int, default=0)
     sv.add_argument("--model", default=None, help="model name (default: the server's first)")
     sv.add_argument("--api-key", default=None)
+    sv.add_argument("--vocab-size", type=int, default=32000,
+                    help="prompt token ids are drawn below this (W2: 32000)")
     sv.set_defaults(func=cmd_bench_serve)
     return ap
 
