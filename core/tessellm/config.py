@@ -30,6 +30,16 @@ class EngineConfig(BaseModel):
                                   "$TESSELLM_CACHE_DIR or ~/.cache/tessellm")
     num_threads: int | None = Field(None, ge=1)
     load_progress: bool = True
+    # Scheduling (tessellm.scheduler): priorities 0 (most urgent) .. priority_levels - 1, aging
+    # by one level per aging_interval_steps steps waited since arrival (0: off).
+    priority_levels: int = Field(3, ge=1, le=64)
+    aging_interval_steps: int = Field(500, ge=0)
+    # SLA batch sizing (off unless sla_itl_p99_ms is set): the running-batch cap shrinks while
+    # the p99 inter-token latency exceeds it, grows while throughput is below the target.
+    sla_itl_p99_ms: float | None = Field(None, gt=0)
+    sla_target_tokens_per_s: float | None = Field(None, gt=0)
+    sla_window_steps: int = Field(64, ge=1)
+    sla_min_num_seqs: int = Field(1, ge=1)
 
     @field_validator("device")
     @classmethod
@@ -42,6 +52,9 @@ class EngineConfig(BaseModel):
     def _kv_size_once(self) -> "EngineConfig":
         if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_cache_bytes, not both")
+        if self.sla_min_num_seqs > self.max_num_seqs:
+            raise ValueError(f"sla_min_num_seqs ({self.sla_min_num_seqs}) exceeds max_num_seqs "
+                             f"({self.max_num_seqs})")
         return self
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:

@@ -30,4 +30,9 @@ class KernelError(TessellmError, RuntimeError):
 
 
 class InvalidRequestError(TessellmError, ValueError):
-    """A request (prompt or sampling parameters) is invalid."""
+    """A request (prompt or sampling parameters) is invalid; `param` names the offending
+    field when one is to blame (the server reports it in its error object)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

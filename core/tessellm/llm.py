@@ -42,21 +42,26 @@ class LLM:
         return decode_continuation(self.tokenizer, prompt_token_ids or [], token_ids, True)
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Nothing is queued if
-        any prompt or params entry is invalid."""
+        any prompt, params or priority entry is invalid. `priority`: one for all prompts or
+        one per prompt, 0 (most urgent, the default) .. priority_levels - 1."""
         if isinstance(prompts, str):
             raise InvalidRequestError("prompts must be a list of strings or of token-id lists")
         params = params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        priority = 0 if priority is None else priority
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(priorities)} priorities")
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         requests = []
         try:
-            for ids, p in zip(token_lists, per_prompt):
-                requests.append(self.engine.add_request(ids, p))
+            for ids, p, prio in zip(token_lists, per_prompt, priorities):
+                requests.append(self.engine.add_request(ids, p, priority=prio))
         except Exception:
             for r in requests:
                 self.engine.abort(r.request_id)

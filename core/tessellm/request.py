@@ -43,6 +43,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share KV blocks
+    priority: int = 0  # scheduling class: lower runs first (0 most urgent); see tessellm.scheduler
 
     @property
     def num_tokens(self) -> int:

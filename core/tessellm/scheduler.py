@@ -1,35 +1,39 @@
-"""Which requests run this step, and how many tokens each (continuous batching).
+"""Which requests run this step, and how many tokens each (continuous batching with
+preemptive priorities). This module is the facade; the parts live in tessellm.scheduling:
+
+  request scheduler  admission, priority classes (0 most urgent .. priority_levels - 1), aging
+  batch scheduler    which requests run under the token budget, the sequence cap and the KV
+                     pool; preemption (a waiting request evicts running ones of a worse level)
+  token scheduler    how many tokens each: min(missing, budget, long_prefill_token_threshold)
+  SLA batch sizer    optional: the sequence cap follows the measured p99 inter-token latency
 
 There is no prefill phase. A request has num_computed_tokens out of num_tokens; each step the
 scheduler grants it some of the missing tokens under a token budget (max_num_batched_tokens)
 and a sequence cap (max_num_seqs). That one rule covers prefill, chunked prefill and decode.
 
-A step, in order:
-  1. Running requests, earliest arrival first, each get min(missing, budget) tokens (capped by
-     long_prefill_token_threshold when set). When the KV blocks for them cannot be allocated,
-     the most recently arrived running request is preempted by recompute (blocks freed,
-     num_computed_tokens = 0, back to the waiting queue, output ids kept) and the allocation is
-     retried; when the request itself is the most recent one it is preempted and the pass stops.
-  2. Only if nothing was preempted: waiting requests in arrival order, while the budget and the
-     cap allow. Each first asks the KV manager for its prefix-cache hits (full blocks already
-     computed, never its last token) and starts at the tokens they cover, so it needs fewer
-     tokens of the budget. The first one whose blocks cannot be allocated stops the pass (no
-     skipping ahead, so a long prompt is not starved by short ones behind it).
+Order: by (effective priority, arrival). The effective priority ages by one level every
+aging_interval_steps steps since arrival (0: no aging) and is frozen while a request runs. A
+step serves requests in that order, running ones before waiting ones of the same level (see
+tessellm.scheduling.batch_scheduler); with one level it is FIFO exactly as before priorities:
+running requests first, preempting the latest arrival when blocks run out, then admissions
+without skipping and none in a step that preempted.
+
+Preemption is by recompute (`preempt`: blocks freed, num_computed_tokens = 0, output ids
+kept, back to the waiting queue at the end of the step, in its (priority, arrival) place). A
+swap mode overrides `preempt` (and admission's resume) in a subclass.
+
 The output lists one-token entries (decodes) first, then the others, each group in the order
 it was scheduled: the model runner's attention wants decodes first.
 
 Invariants:
-  * arrival order is the order of add_request; `running` is sorted by it, so the preemption
-    victim (its last entry) is never a request scheduled earlier in the same step;
-  * `waiting` is sorted by it too. Admission is FIFO without skipping, so every request ever
-    admitted arrived before every request never admitted: preempted requests come back at the
-    front of the queue, in arrival order;
-  * an unfinished request is in exactly one of waiting / running; waiting and finished
-    requests hold no KV blocks; len(running) <= max_num_seqs; a step's tokens sum to at most
-    max_num_batched_tokens;
-  * progress: the earliest running request is preempted only when it is alone and still does
-    not fit, which add_request rules out, so every step with unfinished requests schedules at
-    least one token (otherwise schedule() raises SchedulerError naming the request).
+  * an unfinished request is in exactly one of waiting / running between calls; waiting and
+    finished requests hold no KV blocks; len(running) <= max_num_seqs; a step's tokens sum to
+    at most max_num_batched_tokens;
+  * a request is never evicted for a waiting request of an equal or worse effective priority;
+    a preempted request goes back ahead of every later arrival of its class;
+  * progress: every step with unfinished requests schedules at least one token (the first
+    request of the step fits the pool alone, which add_request checks), otherwise schedule()
+    raises SchedulerError naming the request; with aging on every request finishes.
 
 schedule() and update_from_output() alternate: the computed counts move only in the latter,
 except that admission sets a request's count to its prefix-cache hit. update_from_output()
@@ -39,29 +43,40 @@ Prefix-cache counters (`prefix_cache_queries`, `prefix_cache_hits`, in tokens, a
 """
 from __future__ import annotations
 
-import bisect
-import heapq
 from dataclasses import dataclass, replace
 from typing import Iterable
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.cache.prefix_cache import PrefixCacheStats
-from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
+from tessellm.errors import ConfigError
 from tessellm.request import FinishReason, Request, RequestStatus
+from tessellm.scheduling.batch_scheduler import BatchScheduler
+from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
+from tessellm.scheduling.request_scheduler import MAX_PRIORITY_LEVELS, RequestScheduler
+from tessellm.scheduling.sla import SLABatchSizer, SLAConfig
+from tessellm.scheduling.token_scheduler import TokenScheduler
 
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerError",
+           "SchedulerOutput", "SLAConfig"]
 
-class SchedulerError(TessellmError, RuntimeError):
-    """The scheduler cannot make progress, or was fed an output that does not match its state."""
+DEFAULT_PRIORITY_LEVELS = 3
+DEFAULT_AGING_INTERVAL_STEPS = 500
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """long_prefill_token_threshold: most tokens one request gets per step (0: no cap)."""
+    """long_prefill_token_threshold: most tokens one request gets per step (0: no cap).
+    priority_levels: request priorities are 0 (most urgent) .. priority_levels - 1.
+    aging_interval_steps: steps per level of aging (0: no aging; low priority may starve).
+    sla: the SLA batch-sizing policy (None: off, the cap is max_num_seqs)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0
+    priority_levels: int = DEFAULT_PRIORITY_LEVELS
+    aging_interval_steps: int = DEFAULT_AGING_INTERVAL_STEPS
+    sla: SLAConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -71,76 +86,41 @@ class SchedulerConfig:
         t = self.long_prefill_token_threshold
         if not isinstance(t, int) or t < 0:
             raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """`num_tokens` tokens of `request`, at positions num_computed_tokens.. (as of schedule())."""
-
-    request: Request
-    num_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]   # one-token entries first
-    preempted: list[Request]
-    num_batched_tokens: int
-
-    @property
-    def num_decodes(self) -> int:
-        """Entries with one query token; they form the head of `scheduled`."""
-        n = 0
-        for s in self.scheduled:
-            if s.num_tokens != 1:
-                break
-            n += 1
-        return n
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+        p = self.priority_levels
+        if not isinstance(p, int) or not 1 <= p <= MAX_PRIORITY_LEVELS:
+            raise ConfigError(
+                f"priority_levels must be an integer in 1..{MAX_PRIORITY_LEVELS}, got {p!r}")
+        a = self.aging_interval_steps
+        if not isinstance(a, int) or a < 0:
+            raise ConfigError(f"aging_interval_steps must be an integer >= 0, got {a!r}")
+        if self.sla is not None and not isinstance(self.sla, SLAConfig):
+            raise ConfigError(f"sla must be an SLAConfig or None, got {self.sla!r}")
+        if self.sla is not None and self.sla.min_num_seqs > self.max_num_seqs:
+            raise ConfigError(f"sla.min_num_seqs {self.sla.min_num_seqs} exceeds max_num_seqs "
+                              f"{self.max_num_seqs}")
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self._next_arrival = 0
-        self._arrival: dict[str, int] = {}                  # unfinished request id -> order
-        self._unfinished: dict[str, Request] = {}
-        self._waiting: list[tuple[int, Request]] = []       # heap keyed by arrival order
-        self._running: list[Request] = []                   # sorted by arrival order
         self._prefix_stats = PrefixCacheStats()
+        self._requests = RequestScheduler(config.priority_levels, config.aging_interval_steps,
+                                          config.max_model_len, kv)
+        self._tokens = TokenScheduler(config.long_prefill_token_threshold)
+        self._batch = BatchScheduler(kv, self._tokens, self._requests,
+                                     config.max_num_batched_tokens, self.preempt,
+                                     self._prefix_stats)
+        self._sla = SLABatchSizer(config.sla, config.max_num_seqs) if config.sla else None
+        self._num_preemptions = 0
 
     # ---- admission and removal -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. Raises InvalidRequestError for a duplicate id, a request that is
-        not fresh, a prompt longer than max_model_len, or one that could never fit the pool."""
-        rid = request.request_id
-        if rid in self._unfinished:
-            raise InvalidRequestError(f"request id {rid!r} is already in the scheduler")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
-            raise InvalidRequestError(
-                f"request {rid!r} must be waiting with no computed tokens to be added")
-        n_prompt = request.num_prompt_tokens
-        if n_prompt < 1:
-            raise InvalidRequestError(f"request {rid!r} has an empty prompt")
-        if n_prompt > self.config.max_model_len:
-            raise InvalidRequestError(
-                f"request {rid!r}: prompt of {n_prompt} tokens exceeds max_model_len "
-                f"{self.config.max_model_len}")
-        need = self.kv.num_blocks_needed(self._max_kv_tokens(request))
-        if need > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"request {rid!r} may need {need} KV blocks but the cache has "
-                f"{self.kv.num_blocks}")
-        order = self._next_arrival
-        self._next_arrival += 1
-        self._arrival[rid] = order
-        self._unfinished[rid] = request
-        heapq.heappush(self._waiting, (order, request))
+        """Queue a new request at its `priority`. Raises InvalidRequestError for a duplicate
+        id, a request that is not fresh, a priority outside 0..priority_levels-1, a prompt
+        longer than max_model_len, or one that could never fit the pool."""
+        self._requests.add(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request with FinishReason.ABORT and free its blocks; None if unknown."""
@@ -154,63 +134,34 @@ class Scheduler:
         the latter skips requests finished meanwhile."""
         done: list[Request] = []
         for rid in request_ids:
-            request = self._unfinished.get(rid)
-            if request is None:
+            ticket = self._requests.get(rid)
+            if ticket is None:
                 continue
-            request.finish(reason)
-            self._forget(request)
-            done.append(request)
+            ticket.request.finish(reason)
+            self._forget(ticket.request)
+            done.append(ticket.request)
         if done:
-            self._waiting = [(o, r) for o, r in self._waiting if not r.is_finished]
-            heapq.heapify(self._waiting)
-            self._running = [r for r in self._running if not r.is_finished]
+            self._requests.discard_finished()
+            self._drop_finished_running()
         return done
+
+    def preempt(self, request: Request) -> None:
+        """Release a running request's KV by recompute: blocks freed, num_computed_tokens = 0,
+        generated ids kept. The batch scheduler has taken it off `running` and queues it again
+        at the end of the step. A swap mode overrides this (and the resume at admission)."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self._num_preemptions += 1
 
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
-        running = self._running
-
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
-            n = self._num_new_tokens(request, budget)
-            if not self._allocate_or_preempt(request, n, preempted):
-                break  # the request preempted itself: nothing after it is left either
-            scheduled.append(ScheduledRequest(request, n))
-            budget -= n
-            i += 1
-
-        # A step that had to preempt has no room to admit anyone.
-        while (not preempted and self._waiting and budget > 0
-               and len(running) < self.config.max_num_seqs):
-            request = self._waiting[0][1]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            n = self._num_new_tokens(request, budget, num_hit_tokens)
-            if not self.kv.allocate_slots(request, n, hits):
-                if not running:
-                    raise SchedulerError(
-                        f"request {request.request_id!r} cannot get KV blocks for {n} tokens "
-                        f"after {num_hit_tokens} cached ones with nothing running: "
-                        f"{self.kv.num_free_blocks} of {self.kv.num_blocks} blocks free")
-                break
-            heapq.heappop(self._waiting)
-            request.num_computed_tokens = num_hit_tokens
-            if self.kv.enable_prefix_caching:
-                self._prefix_stats.record(request.num_tokens, num_hit_tokens)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(running, request, key=self._arrival_of)
-            scheduled.append(ScheduledRequest(request, n))
-            budget -= n
-
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        if 0 < len(decodes) < len(scheduled):
-            scheduled = decodes + [s for s in scheduled if s.num_tokens != 1]
-        return SchedulerOutput(scheduled, preempted,
-                               self.config.max_num_batched_tokens - budget)
+        """One step's batch (see tessellm.scheduling.batch_scheduler); advances aging."""
+        out = self._batch.schedule(self.max_num_seqs_now)
+        self._requests.step += 1
+        return out
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled: dict[str, int]) -> list[Request]:
@@ -223,6 +174,7 @@ class Scheduler:
         """
         self._check_output(output, sampled)
         finished: list[Request] = []
+        max_model_len = self.config.max_model_len
         for s in output.scheduled:
             request = s.request
             if request.is_finished:
@@ -232,37 +184,71 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue
             request.append_output(sampled[request.request_id])
-            if not request.is_finished and request.num_tokens >= self.config.max_model_len:
+            if not request.is_finished and request.num_tokens >= max_model_len:
                 request.finish(FinishReason.LENGTH)
             if request.is_finished:
                 self._forget(request)
                 finished.append(request)
         if finished:
-            self._running = [r for r in self._running if not r.is_finished]
+            self._drop_finished_running()
         return finished
+
+    def observe_step(self, duration_s: float, num_decode_tokens: int) -> None:
+        """Timing of one engine step, for the SLA policy (a no-op when it is off)."""
+        if self._sla is not None:
+            self._sla.observe(duration_s, num_decode_tokens)
 
     # ---- state -----------------------------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._requests.num_waiting
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._batch.running)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._unfinished)
+        return self._requests.has_unfinished
 
     @property
     def running(self) -> tuple[Request, ...]:
-        return tuple(self._running)
+        """Running requests in service order: (admitted level, arrival)."""
+        return tuple(t.request for t in self._batch.running)
 
     @property
     def waiting(self) -> tuple[Request, ...]:
         """Waiting requests, next to be admitted first."""
-        return tuple(r for _, r in sorted(self._waiting, key=lambda e: e[0]))
+        return tuple(t.request for t in self._requests.waiting())
+
+    @property
+    def num_steps(self) -> int:
+        """schedule() calls so far: the clock of aging."""
+        return self._requests.step
+
+    @property
+    def num_preemptions(self) -> int:
+        return self._num_preemptions
+
+    @property
+    def max_num_seqs_now(self) -> int:
+        """The sequence cap of the next step: max_num_seqs, or the SLA policy's cap."""
+        return self._sla.cap if self._sla is not None else self.config.max_num_seqs
+
+    @property
+    def sla(self) -> SLABatchSizer | None:
+        return self._sla
+
+    def effective_priority(self, request_id: str) -> int | None:
+        """A waiting request's aged priority as of the next step; a running one's admitted
+        level; None when unknown or finished."""
+        ticket = self._requests.get(request_id)
+        if ticket is None:
+            return None
+        if ticket.request.status is RequestStatus.RUNNING:
+            return ticket.level
+        return self._requests.effective_priority(ticket)
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -285,57 +271,17 @@ class Scheduler:
         return replace(self._prefix_stats)
 
     def get_request(self, request_id: str) -> Request | None:
-        return self._unfinished.get(request_id)
+        ticket = self._requests.get(request_id)
+        return ticket.request if ticket is not None else None
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _arrival_of(self, request: Request) -> int:
-        return self._arrival[request.request_id]
-
-    def _max_kv_tokens(self, request: Request) -> int:
-        """Most tokens whose KV the request will ever hold: its last sampled token is never
-        computed, and it stops once num_tokens reaches max_model_len."""
-        n_prompt = request.num_prompt_tokens
-        more = min(request.params.max_tokens - 1, self.config.max_model_len - 1 - n_prompt)
-        return n_prompt + max(more, 0)
-
-    def _num_new_tokens(self, request: Request, budget: int,
-                        num_computed: int | None = None) -> int:
-        """Tokens to grant: the missing ones (after `num_computed`, by default the request's
-        count) under the budget and the per-request threshold."""
-        done = request.num_computed_tokens if num_computed is None else num_computed
-        missing = request.num_tokens - done
-        if missing < 1:
-            raise SchedulerError(
-                f"request {request.request_id!r} has no token to compute; was the previous "
-                f"output passed to update_from_output()?")
-        n = min(missing, budget)
-        threshold = self.config.long_prefill_token_threshold
-        return min(n, threshold) if threshold > 0 else n
-
-    def _allocate_or_preempt(self, request: Request, n: int,
-                             preempted: list[Request]) -> bool:
-        """Allocate blocks for `n` more tokens of `request`, preempting the most recently
-        arrived running requests until they fit. False when `request` itself was preempted."""
-        while not self.kv.allocate_slots(request, n):
-            victim = self._running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
-            if victim is request:
-                return False
-        return True
-
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
-        heapq.heappush(self._waiting, (self._arrival[request.request_id], request))
-
     def _forget(self, request: Request) -> None:
         self.kv.free(request)
-        del self._unfinished[request.request_id]
-        del self._arrival[request.request_id]
+        self._requests.forget(request.request_id)
+
+    def _drop_finished_running(self) -> None:
+        self._batch.running[:] = [t for t in self._batch.running if not t.request.is_finished]
 
     def _check_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         ids: set[str] = set()
@@ -345,7 +291,7 @@ class Scheduler:
             ids.add(rid)
             if request.is_finished:
                 continue
-            if self._unfinished.get(rid) is not request or \
+            if self.get_request(rid) is not request or \
                     request.status is not RequestStatus.RUNNING:
                 raise SchedulerError(f"scheduled request {rid!r} is not running")
             done = request.num_computed_tokens + s.num_tokens

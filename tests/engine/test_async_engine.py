@@ -106,3 +106,43 @@ def test_queue_full_and_invalid_requests_are_refused(llm):
 
     for _, ids, last in asyncio.run(main()):
         assert len(ids) == 4 and last.finished
+
+
+def test_output_processing_is_pipelined_with_engine_steps(llm, monkeypatch):
+    """Detokenization runs on its own thread: while it is blocked, the engine thread keeps
+    stepping (here: finishes the whole request); the stream then gets every delta in order."""
+    import threading
+
+    from tessellm.engine.output_processor import OutputProcessor
+
+    release = threading.Event()
+    threads = set()
+    real_process = OutputProcessor.process
+
+    def blocked_process(self, raw):
+        threads.add(threading.current_thread().name)
+        release.wait(10)
+        return real_process(self, raw)
+
+    monkeypatch.setattr(OutputProcessor, "process", blocked_process)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    offline = llm.generate(["Once upon a time"], params)[0]
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        stream = engine.add_request(llm.encode("Once upon a time"), params, "p")
+        for _ in range(500):
+            if not llm.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        finished_while_blocked = not llm.engine.has_unfinished()
+        release.set()
+        result = await _collect(stream)
+        await engine.shutdown()
+        return finished_while_blocked, result
+
+    finished_while_blocked, (text, ids, last) = asyncio.run(main())
+    assert finished_while_blocked
+    assert threads == {"tessellm-outputs"}
+    assert ids == offline.token_ids and text == offline.text and last.finished

@@ -49,6 +49,12 @@ def test_completion_greedy_equals_offline(client, offline, stories_dir):
     assert again.choices[0].text == out.choices[0].text
 
 
+def test_priority_extension_field_is_accepted(client, offline):
+    out = client.completions.create(model="stories260K-hf", prompt=PROMPT, max_tokens=12,
+                                    temperature=0, extra_body={"priority": 2})
+    assert out.choices[0].text == greedy(offline, PROMPT, 12)
+
+
 def test_completion_stream_concatenates_to_the_whole_text_and_reports_usage(client, offline):
     chunks = list(client.completions.create(
         model="stories260K-hf", prompt=PROMPT, max_tokens=32, temperature=0, stream=True,

@@ -81,6 +81,12 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     return 0 if result["failed"] == 0 else 1
 
 
+def cmd_bench_schedule(a: argparse.Namespace) -> int:
+    from tessellm.cli.bench_schedule import run_bench_schedule
+    print(json.dumps(run_bench_schedule(a)))
+    return 0
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from tessellm.server.serve import run_server
     from tessellm.server.server_config import load_configs
@@ -160,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--vocab-size", type=int, default=32000,
                     help="prompt token ids are drawn below this (W2: 32000)")
     sv.set_defaults(func=cmd_bench_serve)
+    from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
+    add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
     return ap
 
 

@@ -1,17 +1,24 @@
 """AsyncEngine: the engine core on its own thread, an asyncio front end that never blocks.
 
-The event loop only validates, enqueues commands (add, abort) and awaits per-request streams.
-The engine thread drains commands, runs `LLMEngine.step()`, turns new tokens into StreamDeltas
-(detokenization and stop strings: OutputProcessor) and hands them to the loop with
-`call_soon_threadsafe`. Orderings: a request's deltas arrive in generation order and its last
-delta has `finished=True`; an abort (a cancelled or closed stream) frees the request's KV
-blocks on the engine thread before the next step. Backpressure: at most `max_waiting`
-requests may wait for a first schedule; beyond that `add_request` raises QueueFullError.
+Three stages, pipelined:
+  event loop     validates, enqueues commands (add, abort) and awaits per-request streams;
+  engine thread  drains commands, runs `LLMEngine.step()`, and hands each request's new tokens
+                 (RawDelta) to the output thread — then goes straight on to the next step;
+  output thread  detokenizes and applies stop strings (OutputProcessor) for step N while the
+                 engine computes step N+1 (torch releases the GIL in its kernels), and posts
+                 StreamDeltas to the loop with `call_soon_threadsafe`.
+Orderings: a request's deltas arrive in generation order and its last delta has
+`finished=True`. An abort (a cancelled or closed stream) frees the request's KV blocks on the
+engine thread before its next step. A stop string finishes the stream at once; the engine
+stops the request at its next step (a token computed meanwhile is discarded). Backpressure: at
+most `max_waiting` requests may wait for a first schedule; beyond that `add_request` raises
+QueueFullError.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -19,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tessellm.engine.llm_engine import LLMEngine, StepError
-from tessellm.engine.output_processor import OutputProcessor, StreamDelta
+from tessellm.engine.output_processor import OutputProcessor, RawDelta, StreamDelta
 from tessellm.errors import InvalidRequestError, TessellmError
-from tessellm.request import FinishReason
+from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,11 +57,28 @@ class _Add:
     params: SamplingParams
     stop: list[str] | None
     arrival: float
+    priority: int = 0
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _StopString:
+    """The output thread saw a stop string: the engine finishes the request (reason stop)."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Track:
+    """Tells the output thread about a new request (ahead of its first RawDelta)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    stop: list[str] | None
 
 
 class RequestStream:
@@ -100,13 +124,17 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.observer = observer
         self._outputs = OutputProcessor(engine.parts.tokenizer)
-        self._commands: deque[_Add | _Abort] = deque()
+        self._output_queue: queue.SimpleQueue[_Track | list[RawDelta] | None] = queue.SimpleQueue()
+        self._tracked: dict[str, tuple[Request, int]] = {}  # engine thread: request, sent
+        self._commands: deque[_Add | _Abort | _StopString] = deque()
         self._wakeup = threading.Event()
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}
         self._arrivals: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="tessellm-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._run_outputs,
+                                               name="tessellm-outputs", daemon=True)
         self.fatal_error: BaseException | None = None
 
     # ---- event-loop side ----------------------------------------------------------------
@@ -114,6 +142,7 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
+        self._output_thread.start()
 
     @property
     def is_alive(self) -> bool:
@@ -129,19 +158,20 @@ class AsyncEngine:
         return max(0, len(self._streams) - self.engine.scheduler.num_running)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                    stop: list[str] | None = None) -> RequestStream:
+                    stop: list[str] | None = None, priority: int = 0) -> RequestStream:
         """Validate and enqueue; raises InvalidRequestError or QueueFullError (nothing queued)."""
         if self._stopping or self.fatal_error is not None:
             raise QueueFullError("the engine is shutting down", retry_after_s=5)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, priority)
         if self.num_waiting >= self.max_waiting:
             raise QueueFullError(f"{self.num_waiting} requests are waiting (limit "
                                  f"{self.max_waiting}); retry later")
         stream = RequestStream(request_id, self)
         self._streams[request_id] = stream
-        self._send(_Add(request_id, list(prompt_token_ids), params, stop, time.monotonic()))
+        self._send(_Add(request_id, list(prompt_token_ids), params, stop, time.monotonic(),
+                        priority))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -156,10 +186,12 @@ class AsyncEngine:
         for rid in list(self._streams):
             self.abort(rid)
         self._wakeup.set()
-        if self._thread.is_alive():
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        loop = asyncio.get_running_loop()
+        for thread in (self._thread, self._output_thread):
+            if thread.is_alive():
+                await loop.run_in_executor(None, thread.join)
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _StopString) -> None:
         self._commands.append(command)
         self._wakeup.set()
 
@@ -178,37 +210,50 @@ class AsyncEngine:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._deliver, delta)
 
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            if command.request_id in self._outputs.tracked:
-                self.engine.abort(command.request_id)
-                self._emit(command.request_id)
+    def _apply(self, command: _Add | _Abort | _StopString) -> None:
+        if isinstance(command, (_Abort, _StopString)):
+            if command.request_id in self._tracked:
+                reason = FinishReason.ABORT if isinstance(command, _Abort) else FinishReason.STOP
+                self.engine.scheduler.finish_requests([command.request_id], reason)
             return
         try:
             request = self.engine.add_request(command.prompt_token_ids, command.params,
-                                              request_id=command.request_id)
+                                              request_id=command.request_id,
+                                              priority=command.priority)
         except TessellmError as e:  # validated on the loop; a late refusal still answers
             self._post(StreamDelta(command.request_id, [], "", [], True, "error", str(e)))
             return
         if self.observer is not None:
             self._arrivals[command.request_id] = command.arrival
-        self._outputs.track(request, command.stop)
+        self._tracked[command.request_id] = (request, 0)
+        self._output_queue.put(_Track(command.request_id, request.prompt_token_ids,
+                                      command.stop))
 
-    def _emit(self, request_id: str) -> None:
-        delta, finish_now = self._outputs.collect(request_id)
-        if delta is not None and delta.finished:
-            self._arrivals.pop(request_id, None)  # never scheduled (aborted while waiting)
-        if finish_now:
-            self.engine.scheduler.finish_requests([request_id], FinishReason.STOP)
-        if delta is not None:
-            self._post(delta)
+    def _raw_deltas(self) -> list[RawDelta]:
+        """New tokens and finish states of every tracked request since the last call."""
+        deltas = []
+        for rid, (r, sent) in list(self._tracked.items()):
+            n = len(r.output_token_ids)
+            if n == sent and not r.is_finished:
+                continue
+            reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
+            deltas.append(RawDelta(
+                rid, r.output_token_ids[sent:n], r.output_logprobs[sent:n], r.is_finished,
+                reason, "engine step failed" if r.finish_reason is FinishReason.ERROR else None,
+                r.num_prompt_tokens, n))
+            if r.is_finished:
+                del self._tracked[rid]
+                self._arrivals.pop(rid, None)  # never scheduled (aborted while waiting)
+            else:
+                self._tracked[rid] = (r, n)
+        return deltas
 
     def _note_first_schedules(self) -> None:
         if self.observer is None:
             return
         now = time.monotonic()
-        for rid, t in self._outputs.tracked.items():
-            if rid in self._arrivals and t.request.num_computed_tokens > 0:
+        for rid, (r, _) in self._tracked.items():
+            if rid in self._arrivals and r.num_computed_tokens > 0:
                 self.observer.on_first_scheduled(rid, now - self._arrivals.pop(rid))
 
     def _run(self) -> None:
@@ -216,6 +261,9 @@ class AsyncEngine:
             while True:
                 while self._commands:
                     self._apply(self._commands.popleft())
+                deltas = self._raw_deltas()  # aborts applied just now
+                if deltas:
+                    self._output_queue.put(deltas)
                 if not self.engine.has_unfinished():
                     if self._stopping and not self._commands:
                         return
@@ -229,12 +277,28 @@ class AsyncEngine:
                 if self.observer is not None:
                     self.observer.on_step(self.engine, 0, 0)
                 self._note_first_schedules()
-                t0 = time.perf_counter()
-                for rid in list(self._outputs.tracked):
-                    self._emit(rid)
-                self.engine.stage_times.add("detokenize", time.perf_counter() - t0)
+                self._output_queue.put(self._raw_deltas())
         except BaseException as e:  # a bug in the engine loop: fail every request, loudly
             log.exception("engine thread died")
             self.fatal_error = e
-            for rid in list(self._outputs.tracked):
-                self._post(StreamDelta(rid, [], "", [], True, "error", f"engine failure: {e}"))
+            self._output_queue.put([
+                RawDelta(rid, [], [], True, "error", f"engine failure: {e}", r.num_prompt_tokens,
+                         len(r.output_token_ids)) for rid, (r, _) in self._tracked.items()])
+        finally:
+            self._output_queue.put(None)
+
+    # ---- output thread ------------------------------------------------------------------
+
+    def _run_outputs(self) -> None:
+        while (item := self._output_queue.get()) is not None:
+            if isinstance(item, _Track):
+                self._outputs.track(item.request_id, item.prompt_token_ids, item.stop)
+                continue
+            t0 = time.perf_counter()
+            for raw in item:
+                delta, stop_now = self._outputs.process(raw)
+                if stop_now:
+                    self._send(_StopString(raw.request_id))
+                if delta is not None:
+                    self._post(delta)
+            self.engine.stage_times.add("detokenize", time.perf_counter() - t0)

@@ -13,7 +13,7 @@ from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
-from tessellm.scheduler import Scheduler, SchedulerConfig
+from tessellm.scheduler import Scheduler, SchedulerConfig, SLAConfig
 
 
 class StepError(TessellmError, RuntimeError):
@@ -39,18 +39,29 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.kv = KVCacheManager(parts.num_kv_blocks, c.block_size,
                                  enable_prefix_caching=c.enable_prefix_caching)
+        sla = None if c.sla_itl_p99_ms is None else SLAConfig(
+            c.sla_itl_p99_ms / 1e3, c.sla_target_tokens_per_s, c.sla_window_steps,
+            c.sla_min_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=self.max_model_len), self.kv)
+            max_model_len=self.max_model_len, priority_levels=c.priority_levels,
+            aging_interval_steps=c.aging_interval_steps, sla=sla), self.kv)
         self.runner = ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
                                   c.max_num_batched_tokens, c.max_num_seqs,
                                   math.ceil(self.max_model_len / c.block_size))
         self.stats = StepStats()
         self._ids = itertools.count()
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0) -> None:
         """Raise InvalidRequestError if the request can never run here. Reads only immutable
         configuration, so the async front end may call it from its own thread."""
+        levels = self.parts.config.priority_levels
+        if not isinstance(priority, int) or isinstance(priority, bool) \
+                or not 0 <= priority < levels:
+            raise InvalidRequestError(
+                f"priority must be an integer in 0..{levels - 1} (0 is the most urgent), "
+                f"got {priority!r}", "priority")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         vocab = self.parts.spec.vocab_size
@@ -68,16 +79,19 @@ class LLMEngine:
                 f"has {self.kv.num_blocks}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, cache_salt: str | None = None) -> Request:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    priority: int = 0) -> Request:
         """Validate and queue a request; raises InvalidRequestError (nothing is queued then).
-        `cache_salt`: only requests with the same salt share prefix-cache blocks."""
-        self.validate(prompt_token_ids, params)
+        `cache_salt`: only requests with the same salt share prefix-cache blocks.
+        `priority`: 0 (most urgent, the default) .. priority_levels - 1; a waiting request
+        evicts running ones of a lower priority when the KV pool or the batch is full."""
+        self.validate(prompt_token_ids, params, priority)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(
                 f"cache_salt must be a string, got {type(cache_salt).__name__}")
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                           time.monotonic(), eos_token_ids=self.parts.eos_token_ids,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt, priority=priority)
         self.scheduler.add_request(request)
         return request
 
@@ -109,7 +123,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         finished = self.scheduler.update_from_output(
             out, {r.request_id: t for r, t in zip(sampled, token_ids)})
-        self.stage_times.add("update", time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        self.stage_times.add("update", t2 - t1)
+        self.scheduler.observe_step(t2 - t0, out.num_decodes)
         return finished
 
     @property

@@ -1,19 +1,34 @@
-"""Per-request output state on the engine thread: incremental detokenization and stop strings.
+"""Per-request output state on the output thread: incremental detokenization, stop strings.
 
-For every request the async engine owns, `collect` turns the tokens generated since the last
-call into one StreamDelta: new token ids, their text (held back while a multi-byte character or
-a possible stop string is incomplete), and the finish state. A stop string finishes the request
-at once (its text is trimmed, as OpenAI does). Invariant: the concatenated `text` of a
-request's deltas equals the detokenized output truncated before the first stop string.
+The engine thread describes what each request produced in a step as a RawDelta (token ids,
+logprobs, finish state); `process` turns it into the StreamDelta sent to the client: text held
+back while a multi-byte character or a possible stop string is incomplete, and a stop string
+finishes the request at once (its text trimmed, as OpenAI does; the caller then asks the engine
+to stop it). Invariant: the concatenated `text` of a request's deltas equals its detokenized
+output truncated before the first stop string. After a request's final delta its state is gone
+and later RawDeltas for it are ignored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tessellm.engine.detokenizer import IncrementalDetokenizer
 from tessellm.engine.stop_strings import StopStringMatcher
-from tessellm.request import FinishReason, Request
+
+
+@dataclass(slots=True)
+class RawDelta:
+    """What one request produced since its previous RawDelta (built on the engine thread)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[Any]
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
 
 
 @dataclass(slots=True)
@@ -30,52 +45,39 @@ class StreamDelta:
 
 
 @dataclass(slots=True)
-class TrackedRequest:
-    request: Request
+class _Tracked:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher | None
-    sent: int = 0
-    stopped_by_string: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.tracked: dict[str, TrackedRequest] = {}
+        self.tracked: dict[str, _Tracked] = {}
 
-    def track(self, request: Request, stop: list[str] | None) -> None:
-        self.tracked[request.request_id] = TrackedRequest(
-            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+    def track(self, request_id: str, prompt_token_ids: list[int], stop: list[str] | None) -> None:
+        self.tracked[request_id] = _Tracked(
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             StopStringMatcher(stop) if stop else None)
 
-    def collect(self, request_id: str) -> tuple[StreamDelta | None, bool]:
-        """The delta of one tracked request (None if nothing new) and whether a stop string
-        asks the engine to finish it now."""
-        t = self.tracked[request_id]
-        r = t.request
-        new_ids = r.output_token_ids[t.sent:]
-        if not new_ids and not r.is_finished:
+    def process(self, raw: RawDelta) -> tuple[StreamDelta | None, bool]:
+        """The client delta for `raw` (None if the request already finished) and whether a
+        stop string asks the engine to finish the request now."""
+        t = self.tracked.get(raw.request_id)
+        if t is None:
             return None, False
-        logprobs = list(r.output_logprobs[t.sent:]) if r.output_logprobs else []
-        t.sent = len(r.output_token_ids)
-        text = t.detokenizer.step(new_ids) if new_ids else ""
-        finish_now = False
-        if r.is_finished:
+        text = t.detokenizer.step(raw.token_ids) if raw.token_ids else ""
+        if raw.finished:
             text += t.detokenizer.finish()
+        stopped = False
         if t.stops is not None:
             text, stopped = t.stops.feed(text)
-            if stopped:
-                t.stopped_by_string, finish_now = True, not r.is_finished
-            elif r.is_finished:
+            if not stopped and raw.finished:
                 text += t.stops.flush()
-        finished = r.is_finished or finish_now
-        reason = "stop" if t.stopped_by_string else (
-            r.finish_reason.value if r.finish_reason else None)
-        delta = StreamDelta(r.request_id, new_ids, text, logprobs, finished,
-                            reason if finished else None,
-                            "engine step failed" if r.finish_reason is FinishReason.ERROR else None,
-                            r.num_prompt_tokens, len(r.output_token_ids))
+        finished = raw.finished or stopped
+        reason = "stop" if stopped else raw.finish_reason
         if finished:
-            del self.tracked[request_id]
-        return delta, finish_now
+            del self.tracked[raw.request_id]
+        return StreamDelta(raw.request_id, raw.token_ids, text, raw.logprobs, finished,
+                           reason if finished else None, raw.error, raw.num_prompt_tokens,
+                           raw.num_output_tokens), stopped and not raw.finished

@@ -82,7 +82,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.max_model_len,
                                     param)
     seqs = [(ids, sampling_params(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
-    streams = state.submit(request_id, seqs, req.stop_strings)
+    streams = state.submit(request_id, seqs, req.stop_strings, req.priority)
     shape = ChatShape(request_id, state.model_name, state.texts, req.logprobs,
                       req.stream and req.include_usage)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,

@@ -75,7 +75,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     for ids in token_lists:
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
         seqs += [(ids, sampling_params(req, max_tokens, req.logprobs, i)) for i in range(req.n)]
-    streams = state.submit(request_id, seqs, req.stop_strings)
+    streams = state.submit(request_id, seqs, req.stop_strings, req.priority)
     shape = CompletionShape(request_id, state.model_name, state.texts, req.logprobs is not None,
                             req.stream and req.include_usage)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,

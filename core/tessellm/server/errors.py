@@ -71,7 +71,7 @@ def from_exception(exc: BaseException) -> APIError | None:
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), headers={"Retry-After": str(max(1, exc.retry_after_s))})
     if isinstance(exc, InvalidRequestError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), exc.param)
     if isinstance(exc, web.HTTPException) and exc.status >= 400:
         return APIError(exc.status, exc.reason if exc.text is None else
                         exc.text.removeprefix(f"{exc.status}: "))

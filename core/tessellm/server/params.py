@@ -14,9 +14,6 @@ def check_limits(req: SamplingFields, max_n: int, num_prompts: int = 1) -> None:
     if num_prompts > max_n:
         raise bad_request(f"{num_prompts} prompts in one request; this server allows at most "
                           f"{max_n}", "prompt")
-    if req.priority != 0:
-        # The request scheduler has no priority classes yet: refusing is honest, ignoring not.
-        raise bad_request("priority is not supported by this engine yet (use 0)", "priority")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,

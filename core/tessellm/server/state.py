@@ -93,14 +93,15 @@ class ServerState:
                               f"{type(e).__name__}: {e}", "messages") from None
 
     def submit(self, request_id: str, seqs: Sequence[tuple[list[int], SamplingParams]],
-               stop: list[str]) -> list[RequestStream]:
+               stop: list[str], priority: int = 0) -> list[RequestStream]:
         """Add every sequence to the engine (ids `<request_id>-<k>` when there are several),
         or none: on an error the ones already added are aborted and the error propagates."""
         streams: list[RequestStream] = []
         try:
             for k, (ids, params) in enumerate(seqs):
                 rid = request_id if len(seqs) == 1 else f"{request_id}-{k}"
-                streams.append(self.engine.add_request(ids, params, rid, stop=stop or None))
+                streams.append(self.engine.add_request(ids, params, rid, stop=stop or None,
+                                                       priority=priority))
         except BaseException:
             for s in streams:
                 s.abort()

@@ -1,0 +1,127 @@
+"""Shared helpers of the scheduling tests: request and scheduler factories, a fake model whose
+tokens depend only on each request's own sequence (so any schedule must give the same tokens),
+and the per-step invariant check (limits, block accounting, who may evict whom)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.request import Request, RequestStatus
+from tessellm.sampling_params import SamplingParams
+from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
+
+
+def make_request(rid: str, n_prompt: int, max_tokens: int, priority: int = 0,
+                 tokens: list[int] | None = None) -> Request:
+    ids = list(tokens) if tokens is not None else [7] * n_prompt
+    return Request(rid, ids, SamplingParams(max_tokens=max_tokens), arrival_time=0.0,
+                   priority=priority)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+                   budget: int = 64, max_model_len: int = 256, threshold: int = 0,
+                   levels: int = 3, aging: int = 0, caching: bool = False,
+                   sla: SLAConfig | None = None) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, threshold, levels, aging, sla)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching))
+
+
+class FakeModel:
+    """Samples a token that is a function of the request's whole sequence (prompt and outputs
+    so far), never EOS; counts computed tokens."""
+
+    def __init__(self) -> None:
+        self.tokens_computed = 0
+
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        sampled = {}
+        for s in out.scheduled:
+            r = s.request
+            self.tokens_computed += s.num_tokens
+            if r.num_computed_tokens + s.num_tokens == r.num_tokens:
+                sampled[r.request_id] = 1 + (sum(r.all_token_ids) * 31 + r.num_tokens) % 97
+        return sampled
+
+
+@dataclass
+class Tracker:
+    """Arrival order and finish step of every request it added."""
+
+    sched: Scheduler
+    model: FakeModel = field(default_factory=FakeModel)
+    arrival: dict[str, int] = field(default_factory=dict)
+    finished_at: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
+    evictions_for_waiting: int = 0   # victims of a worse level than a request admitted with them
+
+    def add(self, request: Request) -> Request:
+        self.sched.add_request(request)
+        self.arrival[request.request_id] = len(self.arrival)
+        return request
+
+    def step(self) -> SchedulerOutput:
+        levels = {r.request_id: self.sched.effective_priority(r.request_id)
+                  for r in self.sched.running + self.sched.waiting}
+        was_running = {r.request_id for r in self.sched.running}
+        out = self.sched.schedule()
+        check_step(self.sched, out, levels, was_running, self.arrival)
+        admitted = [self.sched.effective_priority(s.request.request_id) for s in out.scheduled
+                    if s.request.request_id not in was_running]
+        self.evictions_for_waiting += sum(
+            1 for v in out.preempted if admitted and levels[v.request_id] > min(admitted))
+        for r in self.sched.update_from_output(out, self.model.run(out)):
+            self.finished_at[r.request_id] = self.steps
+        self.steps += 1
+        return out
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.sched.has_unfinished:
+            self.step()
+            assert self.steps < max_steps
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput, levels: dict[str, int | None],
+               was_running: set[str], arrival: dict[str, int]) -> None:
+    """Limits, block accounting, and the eviction rule: every victim sorts after every request
+    that got tokens, by (level, arrival); after a newly admitted one by level alone."""
+    cfg, kv = sched.config, sched.kv
+    sizes = [s.num_tokens for s in out.scheduled]
+    assert out.num_batched_tokens == sum(sizes) <= cfg.max_num_batched_tokens
+    assert len(out.scheduled) <= sched.num_running <= cfg.max_num_seqs
+    assert all(n >= 1 for n in sizes)
+    if cfg.long_prefill_token_threshold:
+        assert max(sizes, default=0) <= cfg.long_prefill_token_threshold
+    assert sizes == sorted(sizes, key=lambda n: n != 1)          # one-token entries first
+    ids = [s.request.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids))
+    victims = {r.request_id for r in out.preempted}
+    assert not set(ids) & victims
+    for s in out.scheduled:
+        r = s.request
+        assert r.status is RequestStatus.RUNNING
+        assert r.num_computed_tokens + s.num_tokens <= r.num_tokens
+        assert len(kv.block_table(r.request_id)) == kv.num_blocks_needed(
+            r.num_computed_tokens + s.num_tokens)
+    for v in out.preempted:
+        assert v.request_id in was_running and v.status is RequestStatus.WAITING
+        assert kv.block_table(v.request_id) == [] and v.num_computed_tokens == 0
+        v_key = (levels[v.request_id], arrival[v.request_id])
+        for s in out.scheduled:
+            rid = s.request.request_id
+            level = sched.effective_priority(rid)
+            if rid in was_running:
+                assert (level, arrival[rid]) < v_key, "evicted a request served before it"
+            else:
+                assert level < v_key[0], "a waiting request evicted an equal or better one"
+    assert sched.waiting == tuple(sorted(
+        sched.waiting, key=lambda r: (sched.effective_priority(r.request_id),
+                                      arrival[r.request_id])))
+    tables = [kv.block_table(r.request_id) for r in sched.running]
+    flat = [b for t in tables for b in t]
+    for b in set(flat):                                          # shared only via a cache hit
+        assert kv.pool.ref_count(b) == flat.count(b)
+        assert flat.count(b) == 1 or kv.pool.block_hash(b) is not None
+    if not kv.enable_prefix_caching:
+        assert len(flat) == len(set(flat))
+    assert len(set(flat)) + kv.num_free_blocks == kv.num_blocks  # no leak
+    assert all(kv.block_table(r.request_id) == [] for r in sched.waiting)
