@@ -34,6 +34,12 @@ class EngineConfig(BaseModel):
     # by one level per aging_interval_steps steps waited since arrival (0: off).
     priority_levels: int = Field(3, ge=1, le=64)
     aging_interval_steps: int = Field(500, ge=0)
+    # Preemption (tessellm.scheduler): "recompute" frees a victim's blocks and recomputes it on
+    # resume; "swap" copies its KV to a host pool (num_host_kv_blocks blocks, or as many as
+    # swap_space_bytes hold; default: as many as the device pool) and copies it back.
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    num_host_kv_blocks: int | None = Field(None, ge=1)
+    swap_space_bytes: int | None = Field(None, ge=1)
     # SLA batch sizing (off unless sla_itl_p99_ms is set): the running-batch cap shrinks while
     # the p99 inter-token latency exceeds it, grows while throughput is below the target.
     sla_itl_p99_ms: float | None = Field(None, gt=0)
@@ -52,6 +58,8 @@ class EngineConfig(BaseModel):
     def _kv_size_once(self) -> "EngineConfig":
         if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_cache_bytes, not both")
+        if self.num_host_kv_blocks is not None and self.swap_space_bytes is not None:
+            raise ValueError("give num_host_kv_blocks or swap_space_bytes, not both")
         if self.sla_min_num_seqs > self.max_num_seqs:
             raise ValueError(f"sla_min_num_seqs ({self.sla_min_num_seqs}) exceeds max_num_seqs "
                              f"({self.max_num_seqs})")

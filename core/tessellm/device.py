@@ -200,6 +200,13 @@ class DevicePlugin(ABC):
     @abstractmethod
     def new_stream(self) -> TransferStream: ...
 
+    def wait_on_compute(self, event: Event) -> None:
+        """Order everything the device computes from now on after `event` (a transfer whose
+        destination the next kernels read). The default blocks the host (`event.wait()`); a
+        device with a compute stream (CUDA) makes that stream wait on the event instead,
+        without blocking the host."""
+        event.wait()
+
     def kernels(self) -> list["Kernel"]:
         """Kernels this device offers; more may come from other plugins' `tessellm_kernels`."""
         return []

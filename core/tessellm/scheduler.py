@@ -18,9 +18,15 @@ tessellm.scheduling.batch_scheduler); with one level it is FIFO exactly as befor
 running requests first, preempting the latest arrival when blocks run out, then admissions
 without skipping and none in a step that preempted.
 
-Preemption is by recompute (`preempt`: blocks freed, num_computed_tokens = 0, output ids
-kept, back to the waiting queue at the end of the step, in its (priority, arrival) place). A
-swap mode overrides `preempt` (and admission's resume) in a subclass.
+Preemption (`preempt`, the one hook for every victim) frees the victim's device blocks and
+queues it again at the end of the step, in its (priority, arrival) place:
+  recompute (default)  num_computed_tokens = 0, output ids kept; it recomputes on resume;
+  swap                 its computed blocks are copied to host blocks (tessellm.cache.host_pool:
+                       the step's output carries the (device, host) pairs for the runner); it
+                       keeps num_computed_tokens and on resume gets new device blocks that the
+                       host blocks are copied back into (output.swap_in), with no recompute.
+                       When the host pool is short that victim falls back to recompute
+                       (counted in swap_stats.fallbacks): a policy, not a hidden failure.
 
 The output lists one-token entries (decodes) first, then the others, each group in the order
 it was scheduled: the model runner's attention wants decodes first.
@@ -46,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
+from tessellm.cache.host_pool import SwapSpace, SwapStats
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.errors import ConfigError
@@ -68,7 +75,8 @@ class SchedulerConfig:
     """long_prefill_token_threshold: most tokens one request gets per step (0: no cap).
     priority_levels: request priorities are 0 (most urgent) .. priority_levels - 1.
     aging_interval_steps: steps per level of aging (0: no aging; low priority may starve).
-    sla: the SLA batch-sizing policy (None: off, the cap is max_num_seqs)."""
+    sla: the SLA batch-sizing policy (None: off, the cap is max_num_seqs).
+    preemption_mode: "recompute" or "swap"; num_host_blocks: the host pool for swap mode."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -77,8 +85,16 @@ class SchedulerConfig:
     priority_levels: int = DEFAULT_PRIORITY_LEVELS
     aging_interval_steps: int = DEFAULT_AGING_INTERVAL_STEPS
     sla: SLAConfig | None = None
+    preemption_mode: str = "recompute"
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got "
+                              f"{self.preemption_mode!r}")
+        h = self.num_host_blocks
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise ConfigError(f"num_host_blocks must be an integer >= 0, got {h!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -108,9 +124,11 @@ class Scheduler:
         self._requests = RequestScheduler(config.priority_levels, config.aging_interval_steps,
                                           config.max_model_len, kv)
         self._tokens = TokenScheduler(config.long_prefill_token_threshold)
+        self._swap = SwapSpace(kv, config.num_host_blocks) \
+            if config.preemption_mode == "swap" else None
         self._batch = BatchScheduler(kv, self._tokens, self._requests,
                                      config.max_num_batched_tokens, self.preempt,
-                                     self._prefix_stats)
+                                     self._prefix_stats, self._swap)
         self._sla = SLABatchSizer(config.sla, config.max_num_seqs) if config.sla else None
         self._num_preemptions = 0
 
@@ -146,11 +164,13 @@ class Scheduler:
         return done
 
     def preempt(self, request: Request) -> None:
-        """Release a running request's KV by recompute: blocks freed, num_computed_tokens = 0,
-        generated ids kept. The batch scheduler has taken it off `running` and queues it again
-        at the end of the step. A swap mode overrides this (and the resume at admission)."""
-        self.kv.free(request)
-        request.num_computed_tokens = 0
+        """Release a running request's KV: swapped to host in swap mode when the host pool has
+        room (num_computed_tokens kept), else by recompute (blocks freed, num_computed_tokens
+        = 0, generated ids kept). The batch scheduler has taken it off `running` and queues it
+        again at the end of the step."""
+        if self._swap is None or not self._swap.swap_out(request):
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self._num_preemptions += 1
@@ -160,6 +180,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step's batch (see tessellm.scheduling.batch_scheduler); advances aging."""
         out = self._batch.schedule(self.max_num_seqs_now)
+        if self._swap is not None:
+            out.swap_out, out.swap_in = self._swap.end_step()
+        out.block_copies = self.kv.take_block_copies()
         self._requests.step += 1
         return out
 
@@ -232,6 +255,16 @@ class Scheduler:
         return self._num_preemptions
 
     @property
+    def swap_stats(self) -> SwapStats:
+        """A copy of the swap counters (all 0 in recompute mode)."""
+        return replace(self._swap.stats) if self._swap is not None else SwapStats()
+
+    @property
+    def swap_space(self) -> SwapSpace | None:
+        """The host-block bookkeeping of swap mode (None in recompute mode)."""
+        return self._swap
+
+    @property
     def max_num_seqs_now(self) -> int:
         """The sequence cap of the next step: max_num_seqs, or the SLA policy's cap."""
         return self._sla.cap if self._sla is not None else self.config.max_num_seqs
@@ -278,6 +311,8 @@ class Scheduler:
 
     def _forget(self, request: Request) -> None:
         self.kv.free(request)
+        if self._swap is not None:
+            self._swap.discard(request.request_id)
         self._requests.forget(request.request_id)
 
     def _drop_finished_running(self) -> None:

@@ -21,8 +21,10 @@ def make_request(rid: str, n_prompt: int, max_tokens: int, priority: int = 0,
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    budget: int = 64, max_model_len: int = 256, threshold: int = 0,
                    levels: int = 3, aging: int = 0, caching: bool = False,
-                   sla: SLAConfig | None = None) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, threshold, levels, aging, sla)
+                   sla: SLAConfig | None = None, swap_blocks: int | None = None) -> Scheduler:
+    """swap_blocks: None for recompute preemption, else swap mode with that many host blocks."""
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, threshold, levels, aging, sla,
+                          "recompute" if swap_blocks is None else "swap", swap_blocks or 0)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching))
 
 
@@ -104,7 +106,8 @@ def check_step(sched: Scheduler, out: SchedulerOutput, levels: dict[str, int | N
             r.num_computed_tokens + s.num_tokens)
     for v in out.preempted:
         assert v.request_id in was_running and v.status is RequestStatus.WAITING
-        assert kv.block_table(v.request_id) == [] and v.num_computed_tokens == 0
+        swapped = sched.swap_space is not None and sched.swap_space.is_swapped(v.request_id)
+        assert kv.block_table(v.request_id) == [] and (v.num_computed_tokens == 0 or swapped)
         v_key = (levels[v.request_id], arrival[v.request_id])
         for s in out.scheduled:
             rid = s.request.request_id

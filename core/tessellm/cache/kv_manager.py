@@ -24,8 +24,15 @@ then passes them to `allocate_slots`, which shares them (incref) and appends fre
 A hit never covers the sequence's last token (its logits are needed), so a sequence of
 exactly k full blocks can hit at most k - 1 of them.
 
+Copy-on-write (n > 1): `fork(parent, child)` gives the child the parent's table, every block
+shared (incref). A shared block is never written: when `allocate_slots` grows a table whose
+block at position num_computed_tokens (the first one written) is held by another table too,
+it takes a fresh block instead, records the (shared, fresh) pair for the model runner to copy
+(`take_block_copies()`, after zeroing) and drops its reference to the shared one.
+
 Invariants: a block's reference count is the number of tables holding it, and it is in two
-tables only if it is a cached block shared through a hit; a cached block holds exactly the KV
+tables only if it is a cached block shared through a hit or a block shared through a fork
+(copied before either table writes into it); a cached block holds exactly the KV
 its hash names and is never written again (it is cached only once all its positions are
 computed, and only positions >= num_computed_tokens are written); a table only grows, by
 exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until `free` returns
@@ -76,7 +83,7 @@ class SequenceState(Protocol):
 
 class KVCacheManager:
     __slots__ = ("_pool", "_block_size", "_tables", "_fresh", "_caching", "_hashes",
-                 "_num_cached")
+                 "_num_cached", "_copies")
 
     NULL_BLOCK = 0
 
@@ -92,6 +99,7 @@ class KVCacheManager:
         self._block_size = block_size
         self._tables: dict[str, list[int]] = {}
         self._fresh: list[int] = []
+        self._copies: list[tuple[int, int]] = []   # copy-on-write (source, destination)
         self._caching = bool(enable_prefix_caching)
         # Per request: hashes of its first full blocks (a prefix of the chain), and how many
         # leading blocks of its table are cached or were offered to the cache already.
@@ -181,14 +189,22 @@ class KVCacheManager:
         held = len(table) if table is not None else 0
         num_tokens = request.num_computed_tokens + len(hits) * self._block_size + num_new_tokens
         missing = max(self.num_blocks_needed(num_tokens) - held - len(hits), 0)
-        if missing == 0 and not hits:
+        first = request.num_computed_tokens // self._block_size   # first block written
+        cow = num_new_tokens > 0 and table is not None and first < held \
+            and self._pool.ref_count(table[first]) > 1
+        if missing == 0 and not hits and not cow:
             return True
         revived = sum(self._pool.ref_count(b) == 0 for b in hits)
-        if missing + revived > self._pool.num_free_blocks:
+        if missing + revived + cow > self._pool.num_free_blocks:
             return False
         self._pool.incref(hits)        # first: allocating must not evict a hit
-        new_blocks = self._pool.allocate(missing)
+        new_blocks = self._pool.allocate(missing + cow)
         self._fresh.extend(new_blocks)
+        if cow:
+            shared, private = table[first], new_blocks.pop()
+            self._copies.append((shared, private))
+            table[first] = private
+            self._pool.free([shared])
         if table is None:
             self._tables[rid] = hits + new_blocks
             if hits:
@@ -217,6 +233,28 @@ class KVCacheManager:
         for i in range(start, num_full):
             self._pool.cache_block(table[i], hashes[i])
         self._num_cached[rid] = num_full
+
+    def fork(self, parent: SequenceState, child: SequenceState) -> None:
+        """Give `child` (holding no blocks) the parent's table, every block shared; the child
+        then has the parent's computed tokens (the caller sets its count)."""
+        pid, cid = parent.request_id, child.request_id
+        if cid in self._tables:
+            raise KVCacheError(f"request {cid!r} holds blocks already and cannot be forked")
+        table = self._tables.get(pid)
+        if not table:
+            raise KVCacheError(f"request {pid!r} holds no blocks to fork")
+        self._pool.incref(table)
+        self._tables[cid] = list(table)
+        if pid in self._hashes:
+            self._hashes[cid] = list(self._hashes[pid])
+        if pid in self._num_cached:
+            self._num_cached[cid] = self._num_cached[pid]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write pairs (shared source, fresh destination) since the previous call;
+        the destinations are among take_fresh_blocks() and must be copied after zeroing."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def take_fresh_blocks(self) -> list[int]:
         """Blocks taken from the free queue since the previous call (each once), for zeroing

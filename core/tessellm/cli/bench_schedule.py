@@ -40,6 +40,9 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     add("--max-model-len", type=int, default=4096)
     add("--aging-interval-steps", type=int, default=500, help="0: no aging")
     add("--no-prefix-caching", action="store_true")
+    add("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    add("--num-host-kv-blocks", type=int, default=None,
+        help="host pool of swap mode (default: as many as --num-kv-blocks)")
     add("--sla-itl-ms", type=float, default=None, help="turn the SLA batch-sizing policy on")
     add("--sla-target-tokens-per-s", type=float, default=None)
     add("--cost-a", type=float, default=None, help="seconds per step")
@@ -60,7 +63,10 @@ def run_bench_schedule(a: argparse.Namespace) -> dict[str, Any]:
                                                        a.sla_target_tokens_per_s)
     sched_cfg = SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, a.max_model_len,
                                 priority_levels=a.priorities,
-                                aging_interval_steps=a.aging_interval_steps, sla=sla)
+                                aging_interval_steps=a.aging_interval_steps, sla=sla,
+                                preemption_mode=a.preemption_mode,
+                                num_host_blocks=(0 if a.preemption_mode != "swap" else
+                                                 a.num_host_kv_blocks or a.num_kv_blocks))
     base = CostModel()
     cost = CostModel(base.base_s if a.cost_a is None else a.cost_a,
                      base.per_token_s if a.cost_b is None else a.cost_b,
@@ -73,7 +79,9 @@ def run_bench_schedule(a: argparse.Namespace) -> dict[str, Any]:
                               "max_num_batched_tokens": a.max_num_batched_tokens,
                               "aging_interval_steps": a.aging_interval_steps,
                               "prefix_caching": not a.no_prefix_caching,
-                              "sla_itl_ms": a.sla_itl_ms},
+                              "sla_itl_ms": a.sla_itl_ms,
+                              "preemption_mode": a.preemption_mode,
+                              "num_host_kv_blocks": sched_cfg.num_host_blocks},
                 "cost_model": {"a": cost.base_s, "b": cost.per_token_s,
                                "c": cost.per_context_token_s}}
     return {**settings, **result}

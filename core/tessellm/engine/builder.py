@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,11 @@ class EngineParts:
     num_kv_blocks: int
     max_model_len: int
     is_demo: bool
+    host_kv_caches: list[torch.Tensor] = field(default_factory=list)  # swap mode's host pool
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.host_kv_caches[0].shape[1] if self.host_kv_caches else 0
 
 
 def model_dir_of(config: EngineConfig) -> tuple[str, bool]:
@@ -75,6 +80,21 @@ def kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
     useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     return max(1, min(budget // per_block, useful))
+
+
+def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
+                        num_kv_blocks: int) -> int:
+    """Host blocks for swap preemption: 0 in recompute mode; else num_host_kv_blocks, or as
+    many as swap_space_bytes hold, or as many as the device pool."""
+    if config.preemption_mode != "swap":
+        return 0
+    if config.num_host_kv_blocks is not None:
+        return config.num_host_kv_blocks
+    if config.swap_space_bytes is None:
+        return num_kv_blocks
+    per_block = (2 * config.block_size * spec.num_kv_heads * spec.head_dim
+                 * torch.empty((), dtype=dtype).element_size() * spec.num_layers)
+    return max(1, config.swap_space_bytes // per_block)
 
 
 def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = None,
@@ -107,6 +127,12 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     kv_caches = [alloc.allocate((2, num_blocks + 1, spec.num_kv_heads, config.block_size,
                                  spec.head_dim), dtype, tag="kv_cache")
                  for _ in range(spec.num_layers)]
+    num_host = host_kv_block_count(config, spec, dtype, num_blocks)
+    host = device.host_allocator()   # same per-layer layout; no null block on the host
+    host_kv_caches = [host.allocate((2, num_host, spec.num_kv_heads, config.block_size,
+                                     spec.head_dim), dtype)
+                      for _ in range(spec.num_layers)] if num_host else []
     tokenizer = load_tokenizer(model_dir)
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
-                       plan, selector, report, kv_caches, num_blocks, max_model_len, is_demo)
+                       plan, selector, report, kv_caches, num_blocks, max_model_len, is_demo,
+                       host_kv_caches)

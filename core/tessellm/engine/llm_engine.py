@@ -30,6 +30,8 @@ class StepStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    num_swapped_out_blocks: int = 0   # swap preemption traffic, device -> host
+    num_swapped_in_blocks: int = 0    # and back
 
 
 class LLMEngine:
@@ -45,10 +47,13 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=self.max_model_len, priority_levels=c.priority_levels,
-            aging_interval_steps=c.aging_interval_steps, sla=sla), self.kv)
+            aging_interval_steps=c.aging_interval_steps, sla=sla,
+            preemption_mode=c.preemption_mode, num_host_blocks=parts.num_host_kv_blocks),
+            self.kv)
         self.runner = ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
                                   c.max_num_batched_tokens, c.max_num_seqs,
-                                  math.ceil(self.max_model_len / c.block_size))
+                                  math.ceil(self.max_model_len / c.block_size),
+                                  parts.host_kv_caches)
         self.stats = StepStats()
         self._ids = itertools.count()
 
@@ -106,7 +111,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.stage_times.add("schedule", time.perf_counter() - t0)
+        self.stats.num_swapped_out_blocks += len(out.swap_out)
+        self.stats.num_swapped_in_blocks += len(out.swap_in)
         if not out.scheduled:
+            if out.has_block_ops:   # a step that only preempted: its swap-outs still run
+                self.runner.apply_block_ops(out, self.kv)
             return []
         try:
             sampled, token_ids, logprobs = self.runner.execute(out, self.kv)

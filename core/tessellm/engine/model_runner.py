@@ -2,6 +2,9 @@
 
 Blocks are zeroed when first handed out (and the null block at start): attention kernels read
 whole blocks through padded block tables and rely on every such slot being finite.
+Block copies come first in a step (tessellm.engine.kv_swap): swap-outs are enqueued, the ones
+reading blocks about to be reused are waited on, fresh blocks are zeroed, copy-on-write and
+swap-in copies follow, and compute is ordered after the swap-ins.
 Inputs are staged in host buffers (from the device's host allocator), copied to persistent
 device buffers (from the device allocator) through a transfer stream, and the plan runs only
 after the copy event has completed. Sampled token ids come back the same way. Row order follows
@@ -16,6 +19,7 @@ import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import DevicePlugin, Event
+from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
 from tessellm.engine.sampler import Sampler, SampleRequest, TokenLogprobs
 from tessellm.graph.plan import ExecutionPlan
@@ -61,7 +65,8 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
 class ModelRunner:
     def __init__(self, device: DevicePlugin, plan: ExecutionPlan, kv_caches: list[torch.Tensor],
                  block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_blocks_per_seq: int) -> None:
+                 max_blocks_per_seq: int,
+                 host_kv_caches: list[torch.Tensor] | None = None) -> None:
         self.device = device
         self.plan = plan
         self.kv_caches = kv_caches
@@ -69,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.stage_times = StageTimes()
         self.stream = device.new_stream()
+        self.swapper = KVSwapper(device, kv_caches, host_kv_caches or [])
         alloc, host = device.allocator(), device.host_allocator()
         T, B, W = max_num_batched_tokens, max_num_seqs, max_blocks_per_seq
         shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
@@ -92,6 +98,17 @@ class ModelRunner:
         """Block until a transfer has landed (the one place the runner waits on the stream)."""
         event.wait()
 
+    def apply_block_ops(self, out: SchedulerOutput, kv: KVCacheManager) -> Event | None:
+        """The step's block work before inputs are built: swap-outs, zeroing of fresh blocks
+        (after the swap-outs reading them), copy-on-write, swap-ins. Returns the swap-in
+        event compute must be ordered after (None when none)."""
+        self.swapper.swap_out(out.swap_out)
+        fresh = kv.take_fresh_blocks()
+        self.swapper.before_reuse(fresh)
+        self._zero_blocks(fresh)
+        self.swapper.copy_blocks(out.block_copies)
+        return self.swapper.swap_in(out.swap_in)
+
     def _upload(self, values: dict[str, list]) -> dict[str, torch.Tensor]:
         """Stage host values, enqueue their copies, wait once; returns device views."""
         views = {}
@@ -114,7 +131,7 @@ class ModelRunner:
         """Run one step; returns the requests that sampled, their new token ids and, per
         request, the token's logprobs (None where its params.logprobs is None)."""
         t0 = time.perf_counter()
-        self._zero_blocks(kv.take_fresh_blocks())
+        swapped_in = self.apply_block_ops(out, kv)
         s = build_step_inputs(out, kv)
         width = max(len(t) for t in s.block_tables)
         tables = [t + [0] * (width - len(t)) for t in s.block_tables]
@@ -136,6 +153,8 @@ class ModelRunner:
         feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
                  "logits_indices": dev["logits_indices"][:max(1, len(s.logits_indices))]}
         feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
+        if swapped_in is not None:
+            self.swapper.wait_for_compute(swapped_in)
         t1 = time.perf_counter()
         logits = self.plan.run(feeds)
         self.device.synchronize()

@@ -13,7 +13,10 @@ request of a better level is served before running requests of a worse one.
   * A running request gets its tokens (token scheduler). When its blocks cannot be allocated,
     the tail of `running` (lowest priority, latest arrival among equals) is preempted, and the
     allocation retried; when the request is the tail itself it is preempted and the pass ends.
-  * A waiting request is admitted with its prefix-cache hits. When the sequence cap is reached
+  * A waiting request is admitted with its prefix-cache hits; a swapped-out one (swap mode)
+    with its kept num_computed_tokens and new device blocks, into which the SwapSpace has its
+    host blocks copied back (no prefix-cache lookup: swapped-in blocks are new blocks).
+    When the sequence cap is reached
     or its blocks cannot be allocated, it evicts running requests of a strictly worse level,
     tail first, but only if evicting all of them would make room (computed exactly, shared
     blocks included): an eviction never happens in vain. Otherwise admission stops for this
@@ -35,6 +38,7 @@ import bisect
 from collections import Counter
 from typing import Callable
 
+from tessellm.cache.host_pool import SwapSpace
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.request import Request, RequestStatus
@@ -49,18 +53,19 @@ def _running_key(ticket: Ticket) -> tuple[int, int]:
 
 class BatchScheduler:
     __slots__ = ("kv", "tokens", "requests", "max_num_batched_tokens", "running", "_preempt",
-                 "_prefix_stats")
+                 "_prefix_stats", "swap")
 
     def __init__(self, kv: KVCacheManager, tokens: TokenScheduler, requests: RequestScheduler,
                  max_num_batched_tokens: int, preempt: Callable[[Request], None],
-                 prefix_stats: PrefixCacheStats) -> None:
+                 prefix_stats: PrefixCacheStats, swap: SwapSpace | None = None) -> None:
         self.kv = kv
         self.tokens = tokens
         self.requests = requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.running: list[Ticket] = []
-        self._preempt = preempt           # releases a victim's KV (recompute, or swap later)
+        self._preempt = preempt           # releases a victim's KV (recompute or swap)
         self._prefix_stats = prefix_stats
+        self.swap = swap                  # swap mode: where swapped-out requests' KV is
 
     def schedule(self, max_num_seqs: int) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -122,7 +127,11 @@ class BatchScheduler:
         """Admit `cand` at level `eff`, evicting running requests of a worse level if that
         makes room. Returns the tokens granted, or -1 (nothing changed) when it cannot run."""
         request, running, kv = cand.request, self.running, self.kv
-        hits, num_hit_tokens = kv.get_computed_blocks(request)
+        swapped = self.swap is not None and self.swap.is_swapped(request.request_id)
+        if swapped:   # resumes from its kept computed tokens, into new blocks
+            hits, num_hit_tokens = [], request.num_computed_tokens
+        else:
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
         n = self.tokens.num_new_tokens(request, budget, num_hit_tokens)
         slots_short = len(running) - max_num_seqs + 1
         if slots_short > 0 or not self._fits(request, n, hits, ()):
@@ -139,9 +148,12 @@ class BatchScheduler:
         while not kv.allocate_slots(request, n, hits):
             self._evict(running.pop(), victims)   # _fits promised room before `lower` runs out
         self.requests.pop(cand)
-        request.num_computed_tokens = num_hit_tokens
-        if kv.enable_prefix_caching:
-            self._prefix_stats.record(request.num_tokens, num_hit_tokens)
+        if swapped:
+            self.swap.swap_in(request)
+        else:
+            request.num_computed_tokens = num_hit_tokens
+            if kv.enable_prefix_caching:
+                self._prefix_stats.record(request.num_tokens, num_hit_tokens)
         request.status = RequestStatus.RUNNING
         cand.level = eff
         bisect.insort(running, cand, key=_running_key)
@@ -165,7 +177,8 @@ class BatchScheduler:
             held = Counter(b for t in evicted for b in self.kv.block_table(t.request_id))
             freed = {b for b, c in held.items() if pool.ref_count(b) == c}
         revived = sum(1 for b in hits if b in freed or pool.ref_count(b) == 0)
-        total = len(hits) * self.kv.block_size + n      # a waiting request computed nothing
+        # computed tokens: none, or those a swapped-out request kept (it has no hits then)
+        total = request.num_computed_tokens + len(hits) * self.kv.block_size + n
         missing = max(self.kv.num_blocks_needed(total) - len(hits), 0)
         return missing + revived <= self.kv.num_free_blocks + len(freed)
 

@@ -4,10 +4,18 @@ Contract with the model runner (unchanged by priorities): `scheduled` lists one-
 (decodes) first, then the others, each group in the order the batch scheduler granted them;
 `num_batched_tokens` is the sum of their token counts; `preempted` are the requests that lost
 their KV in this step (none of them is in `scheduled`).
+
+Block copies the runner performs before the step's compute, in this order (see
+tessellm.engine.kv_swap): `swap_out` (device block, host block) pairs first (the device blocks
+were freed and may be handed out again in this very step), then fresh-block zeroing, then
+`block_copies` (copy-on-write: source device block, destination device block) and `swap_in`
+(host block, device block), waited on before compute. `forks` maps a request whose prompt
+completes in this step to the sibling requests (n > 1) that sample their first token from its
+logits row and then share its blocks (see tessellm.scheduler).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tessellm.errors import TessellmError
 from tessellm.request import Request
@@ -30,6 +38,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]   # one-token entries first
     preempted: list[Request]
     num_batched_tokens: int
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    forks: dict[str, list[Request]] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
@@ -44,3 +56,8 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_block_ops(self) -> bool:
+        """Whether the runner has block copies to do (even when nothing is scheduled)."""
+        return bool(self.swap_out or self.swap_in or self.block_copies)

@@ -12,7 +12,9 @@ exactly max_tokens), exactly as the model runner's contract with update_from_out
 The clock: requests whose arrival is <= now are added before a step; the step's duration
 is added after it; an idle scheduler jumps to the next arrival. TTFT is the end of the step
 that sampled a request's first token minus its arrival; latency the end of its last step.
-Swap preemption does not exist yet: its traffic fields are present and 0.
+With config.preemption_mode="swap", victims are swapped to config.num_host_blocks host blocks;
+the report counts the blocks copied each way and the recompute fallbacks (host pool short).
+Copies cost no virtual time in this cost model.
 
 Invariants: every request of the trace finishes (or is rejected by add_request, counted);
 the simulation ends with every KV block free, which replay() checks.
@@ -122,6 +124,14 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, num_kv_blocks: in
                    computed, rejected)
 
 
+def _swap_report(sched: Scheduler) -> dict[str, int]:
+    st = sched.swap_stats
+    report = {"blocks_out": st.blocks_out, "blocks_in": st.blocks_in}
+    if sched.swap_space is not None:
+        report["fallbacks"] = st.fallbacks
+    return report
+
+
 def _report(trace: list[TraceRequest], index: dict[str, int], first_token: list[float | None],
             done_at: list[float | None], sched: Scheduler, now: float, wall: float, steps: int,
             generated: int, computed: int, rejected: int) -> dict[str, Any]:
@@ -145,7 +155,7 @@ def _report(trace: list[TraceRequest], index: dict[str, int], first_token: list[
                          "hit_rate": round(stats.hit_rate, 6)},
         "prefix_hit_rate": round(stats.hit_rate, 6),
         "preemptions": sched.num_preemptions,
-        "swap": {"blocks_out": 0, "blocks_in": 0},
+        "swap": _swap_report(sched),
         "num_steps": steps,
         "generated_tokens": generated,
         "computed_tokens": computed,

@@ -1,0 +1,87 @@
+"""Swap preemption end to end on `cpu` and on the asynchronous `sim` device: recompute and
+swap give exactly the tokens of an unpreempted run, swap traffic is counted, a missing wait
+on a swap event is caught by sim's poisoned destinations, and a short host pool falls back
+to recompute."""
+from __future__ import annotations
+
+import pytest
+
+from tessellm import LLM, SamplingParams
+from tessellm.engine.kv_swap import KVSwapper, block_runs
+from tessellm.engine.llm_engine import StepError
+
+PROMPTS = ["Once upon a time", "The cat", "Lily and Ben went to the park. They",
+           "One day, a little bird"]
+PARAMS = SamplingParams(max_tokens=40, temperature=0.0)
+SMALL = dict(dtype="float32", load_progress=False, block_size=4, num_kv_blocks=22,
+             max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def unpreempted(stories_dir) -> list[list[int]]:
+    llm = LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False,
+              block_size=4)
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_gives_the_tokens_of_an_unpreempted_run(stories_dir, unpreempted,
+                                                           device, mode):
+    llm = LLM(str(stories_dir), device=device, preemption_mode=mode, **SMALL)
+    got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert got == unpreempted
+    stats, swap = llm.engine.stats, llm.engine.scheduler.swap_stats
+    assert stats.num_preemptions > 0
+    if mode == "swap":
+        assert stats.num_swapped_out_blocks == swap.blocks_out > 0
+        assert stats.num_swapped_in_blocks == swap.blocks_in == swap.blocks_out
+        assert swap.fallbacks == 0
+        # resumed without recompute: only the prompts were computed as prompt tokens
+        assert stats.num_prompt_tokens == sum(len(llm.encode(p)) for p in PROMPTS)
+        assert llm.engine.scheduler.swap_space.pool.num_free_blocks == \
+            llm.engine.parts.num_host_kv_blocks
+    else:
+        assert stats.num_swapped_out_blocks == 0
+
+
+def test_host_pool_lives_in_the_device_host_allocator(stories_dir):
+    llm = LLM(str(stories_dir), device="sim", preemption_mode="swap", num_host_kv_blocks=7,
+              **SMALL)
+    parts = llm.engine.parts
+    assert parts.num_host_kv_blocks == 7
+    assert all(parts.device.host_buffers.contains(h) for h in parts.host_kv_caches)
+    assert [tuple(h.shape) for h in parts.host_kv_caches] == \
+        [(2, 7) + tuple(c.shape[2:]) for c in parts.kv_caches]
+
+
+@pytest.mark.parametrize("hook", ["wait_for_compute", "wait"])
+def test_missing_swap_wait_is_caught_on_sim(stories_dir, unpreempted, monkeypatch, hook,
+                                            request):
+    """Without the wait before compute (swap-in) or before reuse (swap-out), sim's poisoned
+    destinations make the run fail or give other tokens."""
+    llm = LLM(str(stories_dir), device="sim", preemption_mode="swap", **SMALL)
+    monkeypatch.setattr(KVSwapper, hook, lambda self, event: None)
+    try:
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    except StepError:
+        got = None
+    finally:
+        llm.engine.parts.device.synchronize()
+    assert got != unpreempted
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == unpreempted
+
+
+def test_short_host_pool_falls_back_to_recompute(stories_dir, unpreempted):
+    llm = LLM(str(stories_dir), device="cpu", preemption_mode="swap", num_host_kv_blocks=1,
+              **SMALL)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == unpreempted
+    swap = llm.engine.scheduler.swap_stats
+    assert swap.fallbacks > 0 and swap.blocks_out == 0
+
+
+def test_block_runs_merge_consecutive_pairs():
+    assert block_runs([(3, 0), (4, 1), (5, 2), (9, 3), (2, 4)]) == \
+        [(3, 0, 3), (9, 3, 1), (2, 4, 1)]
+    assert block_runs([]) == []
