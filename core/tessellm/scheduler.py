@@ -46,18 +46,26 @@ except that admission sets a request's count to its prefix-cache hit. update_fro
 enters newly computed full blocks into the prefix cache (their KV is written by then).
 Prefix-cache counters (`prefix_cache_queries`, `prefix_cache_hits`, in tokens, and
 `prefix_cache_hit_rate`) count admissions; see tessellm.cache.prefix_cache.PrefixCacheStats.
+
+Request groups (n > 1, `add_request_group`): the siblings wait outside the queue until the
+step that computes the parent's last prompt chunk; that output lists them in `forks` (as many
+as the sequence cap leaves room for; the others are queued as ordinary requests), they sample
+their first token from the parent's logits row, and update_from_output forks them from the
+parent (every prompt block shared, copied before a write). See tessellm.scheduling.forks.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 from typing import Iterable
 
 from tessellm.cache.host_pool import SwapSpace, SwapStats
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.cache.prefix_cache import PrefixCacheStats
-from tessellm.errors import ConfigError
+from tessellm.errors import ConfigError, InvalidRequestError
 from tessellm.request import FinishReason, Request, RequestStatus
 from tessellm.scheduling.batch_scheduler import BatchScheduler
+from tessellm.scheduling.forks import ForkGroups
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
 from tessellm.scheduling.request_scheduler import MAX_PRIORITY_LEVELS, RequestScheduler
 from tessellm.scheduling.sla import SLABatchSizer, SLAConfig
@@ -131,6 +139,7 @@ class Scheduler:
                                      self._prefix_stats, self._swap)
         self._sla = SLABatchSizer(config.sla, config.max_num_seqs) if config.sla else None
         self._num_preemptions = 0
+        self._forks = ForkGroups()
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -138,7 +147,23 @@ class Scheduler:
         """Queue a new request at its `priority`. Raises InvalidRequestError for a duplicate
         id, a request that is not fresh, a priority outside 0..priority_levels-1, a prompt
         longer than max_model_len, or one that could never fit the pool."""
+        if self._forks.get(request.request_id) is not None:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already in the scheduler")
         self._requests.add(request)
+
+    def add_request_group(self, parent: Request, children: Iterable[Request]) -> None:
+        """Queue `parent`; its `children` (same prompt, priority and salt) wait until the
+        parent's prompt is computed, then fork from it (see tessellm.scheduling.forks).
+        Raises InvalidRequestError, queueing nothing, if any of them could not be added."""
+        children = list(children)
+        for request in [parent, *children]:
+            if self._forks.get(request.request_id) is not None:
+                raise InvalidRequestError(
+                    f"request id {request.request_id!r} is already in the scheduler")
+            self._requests.check(request)
+        self._forks.add(parent, children)
+        self._requests.add(parent)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish the request with FinishReason.ABORT and free its blocks; None if unknown."""
@@ -154,10 +179,17 @@ class Scheduler:
         for rid in request_ids:
             ticket = self._requests.get(rid)
             if ticket is None:
+                child = self._forks.remove(rid)   # a sibling not forked yet: no blocks
+                if child is not None:
+                    child.finish(reason)
+                    done.append(child)
                 continue
             ticket.request.finish(reason)
             self._forget(ticket.request)
             done.append(ticket.request)
+            # its siblings not forked yet go on as ordinary requests
+            for child in self._forks.take_pending(rid) + self._forks.finish_step(rid):
+                self._requests.add(child)
         if done:
             self._requests.discard_finished()
             self._drop_finished_running()
@@ -183,6 +215,8 @@ class Scheduler:
         if self._swap is not None:
             out.swap_out, out.swap_in = self._swap.end_step()
         out.block_copies = self.kv.take_block_copies()
+        if self._forks:
+            self._start_forks(out)
         self._requests.step += 1
         return out
 
@@ -206,6 +240,8 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue
+            if request.request_id in output.forks:
+                finished += self._fork_children(request, sampled)
             request.append_output(sampled[request.request_id])
             if not request.is_finished and request.num_tokens >= max_model_len:
                 request.finish(FinishReason.LENGTH)
@@ -305,7 +341,7 @@ class Scheduler:
 
     def get_request(self, request_id: str) -> Request | None:
         ticket = self._requests.get(request_id)
-        return ticket.request if ticket is not None else None
+        return ticket.request if ticket is not None else self._forks.get(request_id)
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -314,6 +350,47 @@ class Scheduler:
         if self._swap is not None:
             self._swap.discard(request.request_id)
         self._requests.forget(request.request_id)
+
+    def _start_forks(self, out: SchedulerOutput) -> None:
+        """Put in flight the pending siblings of parents whose last prompt chunk is in `out`,
+        as many as the sequence cap leaves room for; queue the others as ordinary requests."""
+        free = self.max_num_seqs_now - len(self._batch.running)
+        for s in out.scheduled:
+            r = s.request
+            rid = r.request_id
+            if r.output_token_ids or r.num_computed_tokens + s.num_tokens < r.num_tokens \
+                    or not self._forks.has_pending(rid):
+                continue
+            children = self._forks.take_pending(rid)
+            k = max(0, min(len(children), free))
+            free -= k
+            for child in children[k:]:
+                self._requests.add(child)
+            if k:
+                self._forks.start(rid, children[:k])
+                out.forks[rid] = list(children[:k])
+
+    def _fork_children(self, parent: Request, sampled: dict[str, int]) -> list[Request]:
+        """Fork the parent's in-flight siblings (its prompt just computed, no token appended
+        yet): shared blocks, the parent's computed count, their own sampled first token.
+        Returns those that finished with that token."""
+        finished: list[Request] = []
+        level = self._requests.get(parent.request_id).level
+        for child in self._forks.finish_step(parent.request_id):
+            if child.is_finished:
+                continue
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            ticket = self._requests.adopt(child, level)
+            bisect.insort(self._batch.running, ticket, key=lambda t: (t.level, t.arrival))
+            child.append_output(sampled[child.request_id])
+            if not child.is_finished and child.num_tokens >= self.config.max_model_len:
+                child.finish(FinishReason.LENGTH)
+            if child.is_finished:
+                self._forget(child)
+                finished.append(child)
+        return finished
 
     def _drop_finished_running(self) -> None:
         self._batch.running[:] = [t for t in self._batch.running if not t.request.is_finished]
@@ -340,6 +417,14 @@ class Scheduler:
                 raise SchedulerError(
                     f"request {rid!r} computed a partial chunk ({done} of "
                     f"{request.num_tokens} tokens) and must not sample")
+        for pid, children in output.forks.items():
+            parent = self.get_request(pid)
+            for child in children:
+                ids.add(child.request_id)
+                if parent is not None and not parent.is_finished \
+                        and not child.is_finished and child.request_id not in sampled:
+                    raise SchedulerError(f"forked request {child.request_id!r} has no sampled "
+                                         f"token")
         extra = sampled.keys() - ids
         if extra:
             raise SchedulerError(f"sampled tokens for requests not in this step: {sorted(extra)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
@@ -99,6 +99,32 @@ class LLMEngine:
                           cache_salt=cache_salt, priority=priority)
         self.scheduler.add_request(request)
         return request
+
+    def add_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
+                          request_id: str | None = None, cache_salt: str | None = None,
+                          priority: int = 0) -> list[Request]:
+        """Validate and queue `n` samples of one prompt (n > 1: copy-on-write siblings that
+        share the prompt's KV blocks and compute it once; see tessellm.scheduling.forks).
+        Sample i has id f"{base}-{i}" and, when params.seed is set, seed params.seed + i.
+        n == 1 is add_request. Raises InvalidRequestError (nothing is queued then)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
+        if n == 1:
+            return [self.add_request(prompt_token_ids, params, request_id, cache_salt, priority)]
+        self.validate(prompt_token_ids, params, priority)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(
+                f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        base = request_id or f"req-{next(self._ids)}"
+        now = time.monotonic()
+        requests = [
+            Request(f"{base}-{i}", list(prompt_token_ids),
+                    params if params.seed is None else replace(params, seed=params.seed + i),
+                    now, eos_token_ids=self.parts.eos_token_ids, cache_salt=cache_salt,
+                    priority=priority)
+            for i in range(n)]
+        self.scheduler.add_request_group(requests[0], requests[1:])
+        return requests
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

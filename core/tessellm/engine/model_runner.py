@@ -44,6 +44,9 @@ class StepInputs:
 
 
 def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+    """One row per scheduled request; a logits index (and sampled request) per request that
+    completes in this step, followed by one per sibling forking from it (out.forks): they
+    sample from its row, each with its own SamplingParams and seed."""
     s = StepInputs([], [], [], [], [], [], [], [], 0)
     for sched in out.scheduled:
         r, n = sched.request, sched.num_tokens
@@ -57,6 +60,9 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         if stop == r.num_tokens:  # fully computed after this step: sample its next token
             s.logits_indices.append(len(s.token_ids) - 1)
             s.sampled.append(r)
+            for child in out.forks.get(r.request_id, ()):   # n > 1: the same row again
+                s.logits_indices.append(len(s.token_ids) - 1)
+                s.sampled.append(child)
     while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
         s.num_decodes += 1
     return s

@@ -89,6 +89,16 @@ class RequestScheduler:
         """Validate and queue a new request. Raises InvalidRequestError for a duplicate id, a
         request that is not fresh, an empty prompt or one longer than max_model_len, one that
         could never fit the KV pool, or a priority outside 0..priority_levels-1."""
+        self.check(request)
+        p = request.priority
+        ticket = Ticket(request, self._next_arrival, self.step, p, p)
+        self._next_arrival += 1
+        self._tickets[request.request_id] = ticket
+        self.push(ticket)
+        return ticket
+
+    def check(self, request: Request) -> None:
+        """Raise InvalidRequestError if `request` cannot be added (see `add`)."""
         rid = request.request_id
         if rid in self._tickets:
             raise InvalidRequestError(f"request id {rid!r} is already in the scheduler")
@@ -112,10 +122,14 @@ class RequestScheduler:
             raise InvalidRequestError(
                 f"request {rid!r} may need {need} KV blocks but the cache has "
                 f"{self._kv.num_blocks}")
-        ticket = Ticket(request, self._next_arrival, self.step, p, p)
+
+    def adopt(self, request: Request, level: int) -> Ticket:
+        """A ticket for a request that starts running without queueing (a forked sibling,
+        see tessellm.scheduling.forks), admitted at `level`; the caller puts it in `running`.
+        It arrives now: among equals it is the latest arrival."""
+        ticket = Ticket(request, self._next_arrival, self.step, request.priority, level)
         self._next_arrival += 1
-        self._tickets[rid] = ticket
-        self.push(ticket)
+        self._tickets[request.request_id] = ticket
         return ticket
 
     def max_kv_tokens(self, request: Request) -> int:
