@@ -146,3 +146,27 @@ def test_output_processing_is_pipelined_with_engine_steps(llm, monkeypatch):
     assert finished_while_blocked
     assert threads == {"tessellm-outputs"}
     assert ids == offline.token_ids and text == offline.text and last.finished
+
+
+def test_request_group_streams_each_sample_and_shares_the_prompt(llm):
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=11)
+    alone = [llm.generate(["Once upon a time"],
+                          SamplingParams(max_tokens=10, temperature=0.9, seed=11 + i))[0]
+             for i in range(2)]
+    prompt_tokens_before = llm.engine.stats.num_prompt_tokens
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        streams = engine.add_request_group(llm.encode("Once upon a time"), params, 2, "g")
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        await engine.shutdown()
+        return [s.request_id for s in streams], results
+
+    ids, results = asyncio.run(main())
+    assert ids == ["g-0", "g-1"]
+    assert [r[1] for r in results] == [a.token_ids for a in alone]
+    assert [r[0] for r in results] == [a.text for a in alone]
+    # the prompt was computed once for both samples
+    assert llm.engine.stats.num_prompt_tokens - prompt_tokens_before == len(
+        llm.encode("Once upon a time"))

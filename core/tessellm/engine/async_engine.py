@@ -58,6 +58,7 @@ class _Add:
     stop: list[str] | None
     arrival: float
     priority: int = 0
+    n: int = 1  # n > 1: copy-on-write siblings "<request_id>-<i>" (LLMEngine.add_request_group)
 
 
 @dataclass(slots=True)
@@ -174,6 +175,31 @@ class AsyncEngine:
                         priority))
         return stream
 
+    def add_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
+                          request_id: str, stop: list[str] | None = None,
+                          priority: int = 0) -> list[RequestStream]:
+        """n samples of one prompt sharing its KV blocks (the prompt is computed once); stream
+        i carries sample "<request_id>-<i>" (seed + i when a seed is set). n == 1 is
+        add_request. Raises like add_request; nothing is queued then."""
+        if n == 1:
+            return [self.add_request(prompt_token_ids, params, request_id, stop, priority)]
+        ids = [f"{request_id}-{i}" for i in range(n)]
+        if self._stopping or self.fatal_error is not None:
+            raise QueueFullError("the engine is shutting down", retry_after_s=5)
+        if any(rid in self._streams for rid in ids):
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
+        self.engine.validate(prompt_token_ids, params, priority)
+        if self.num_waiting + n > self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (limit "
+                                 f"{self.max_waiting}); retry later")
+        streams = [RequestStream(rid, self) for rid in ids]
+        self._streams.update(zip(ids, streams))
+        self._send(_Add(request_id, list(prompt_token_ids), params, stop, time.monotonic(),
+                        priority, n))
+        return streams
+
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
@@ -217,17 +243,21 @@ class AsyncEngine:
                 self.engine.scheduler.finish_requests([command.request_id], reason)
             return
         try:
-            request = self.engine.add_request(command.prompt_token_ids, command.params,
-                                              request_id=command.request_id,
-                                              priority=command.priority)
+            requests = self.engine.add_request_group(
+                command.prompt_token_ids, command.params, command.n,
+                request_id=command.request_id, priority=command.priority)
         except TessellmError as e:  # validated on the loop; a late refusal still answers
-            self._post(StreamDelta(command.request_id, [], "", [], True, "error", str(e)))
+            ids = [command.request_id] if command.n == 1 else \
+                [f"{command.request_id}-{i}" for i in range(command.n)]
+            for rid in ids:
+                self._post(StreamDelta(rid, [], "", [], True, "error", str(e)))
             return
-        if self.observer is not None:
-            self._arrivals[command.request_id] = command.arrival
-        self._tracked[command.request_id] = (request, 0)
-        self._output_queue.put(_Track(command.request_id, request.prompt_token_ids,
-                                      command.stop))
+        for request in requests:
+            rid = request.request_id
+            if self.observer is not None:
+                self._arrivals[rid] = command.arrival
+            self._tracked[rid] = (request, 0)
+            self._output_queue.put(_Track(rid, request.prompt_token_ids, command.stop))
 
     def _raw_deltas(self) -> list[RawDelta]:
         """New tokens and finish states of every tracked request since the last call."""

@@ -81,8 +81,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.max_model_len,
                                     param)
-    seqs = [(ids, sampling_params(req, max_tokens, req.num_logprobs, i)) for i in range(req.n)]
-    streams = state.submit(request_id, seqs, req.stop_strings, req.priority)
+    groups = [(ids, sampling_params(req, max_tokens, req.num_logprobs, 0), req.n)]
+    streams = state.submit(request_id, groups, req.stop_strings, req.priority)
     shape = ChatShape(request_id, state.model_name, state.texts, req.logprobs,
                       req.stream and req.include_usage)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,

@@ -71,11 +71,11 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         if not p:
             raise bad_request("the prompt is empty", "prompt")
         token_lists.append(await state.encode(p) if isinstance(p, str) else list(p))
-    seqs = []
+    groups = []
     for ids in token_lists:
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
-        seqs += [(ids, sampling_params(req, max_tokens, req.logprobs, i)) for i in range(req.n)]
-    streams = state.submit(request_id, seqs, req.stop_strings, req.priority)
+        groups.append((ids, sampling_params(req, max_tokens, req.logprobs, 0), req.n))
+    streams = state.submit(request_id, groups, req.stop_strings, req.priority)
     shape = CompletionShape(request_id, state.model_name, state.texts, req.logprobs is not None,
                             req.stream and req.include_usage)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,

@@ -92,16 +92,18 @@ class ServerState:
             raise bad_request(f"the chat template failed on these messages: "
                               f"{type(e).__name__}: {e}", "messages") from None
 
-    def submit(self, request_id: str, seqs: Sequence[tuple[list[int], SamplingParams]],
+    def submit(self, request_id: str, groups: Sequence[tuple[list[int], SamplingParams, int]],
                stop: list[str], priority: int = 0) -> list[RequestStream]:
-        """Add every sequence to the engine (ids `<request_id>-<k>` when there are several),
-        or none: on an error the ones already added are aborted and the error propagates."""
+        """Add every (prompt, params of choice 0, n) group to the engine — n > 1 as
+        copy-on-write siblings that compute the prompt once, choice i with seed + i — or
+        none: on an error the ones already added are aborted and the error propagates.
+        Streams come back prompt by prompt, choice by choice."""
         streams: list[RequestStream] = []
         try:
-            for k, (ids, params) in enumerate(seqs):
-                rid = request_id if len(seqs) == 1 else f"{request_id}-{k}"
-                streams.append(self.engine.add_request(ids, params, rid, stop=stop or None,
-                                                       priority=priority))
+            for k, (ids, params, n) in enumerate(groups):
+                rid = request_id if len(groups) == 1 else f"{request_id}-{k}"
+                streams += self.engine.add_request_group(ids, params, n, rid, stop=stop or None,
+                                                         priority=priority)
         except BaseException:
             for s in streams:
                 s.abort()
