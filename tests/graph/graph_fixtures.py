@@ -21,7 +21,7 @@ from tessellm.graph import ops
 from tessellm.graph.ir import ModelGraph
 from tessellm.graph.lowering import lower
 from tessellm.graph.plan import ExecutionPlan
-from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
 from tessellm.kernels.examples import make_attention_metadata
 from tessellm.kernels.profiler import KernelSelector
 from tessellm.kernels.reference import REFERENCE_OPS
@@ -168,23 +168,7 @@ def prefill_feeds(spec: ModelSpec, num_tokens: int = 7, seed: int = 0) -> dict[s
 def metadata(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
              num_decodes: int, block_size: int = BLOCK_SIZE) -> AttentionMetadata:
     """AttentionMetadata for given block tables (decodes first), slots from the tables."""
-    slots: list[int] = []
-    for q, s, table in zip(query_lens, seq_lens, tables):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
-    width = max(len(t) for t in tables)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    n_dec = sum(query_lens[:num_decodes])
-    return AttentionMetadata(
-        num_decodes=num_decodes, num_prefills=len(query_lens) - num_decodes,
-        num_decode_tokens=n_dec, num_prefill_tokens=qsl[-1] - n_dec, block_size=block_size,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens_host=list(seq_lens), query_lens_host=list(query_lens),
-        max_seq_len=max(seq_lens), max_query_len=max(query_lens))
+    return metadata_from_tables(query_lens, seq_lens, tables, num_decodes, block_size)
 
 
 def lower_reference(mg: ModelGraph, registry: KernelRegistry | None = None) -> ExecutionPlan:

@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import (LlamaRMSNorm, LlamaRotaryE
                                                       apply_rotary_pos_emb)
 
 from tessellm.kernels import reference as ref
-from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -148,22 +148,7 @@ def _layout(seq_lens: list[int], gen: torch.Generator) -> list[list[int]]:
 
 def _meta(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
           num_decodes: int) -> AttentionMetadata:
-    slots = [t[p // BS] * BS + p % BS for q, s, t in zip(query_lens, seq_lens, tables)
-             for p in range(s - q, s)]
-    width = max(len(t) for t in tables)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    nd_tok = sum(query_lens[:num_decodes])
-    return AttentionMetadata(
-        num_decodes=num_decodes, num_prefills=len(seq_lens) - num_decodes,
-        num_decode_tokens=nd_tok, num_prefill_tokens=qsl[-1] - nd_tok, block_size=BS,
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens_host=seq_lens, query_lens_host=query_lens, max_seq_len=max(seq_lens),
-        max_query_len=max(query_lens))
+    return metadata_from_tables(query_lens, seq_lens, tables, num_decodes, BS)
 
 
 def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -70,3 +70,27 @@ class AttentionMetadata:
             query_start_loc=self.query_start_loc[:d + 1], seq_lens_host=self.seq_lens_host[:d],
             query_lens_host=self.query_lens_host[:d],
             max_seq_len=max(self.seq_lens_host[:d], default=0), max_query_len=1 if d else 0)
+
+
+def metadata_from_tables(query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                         num_decodes: int, block_size: int,
+                         device: str | torch.device = "cpu") -> AttentionMetadata:
+    """Metadata for explicit block tables (the first `num_decodes` sequences are decodes):
+    slots derived from the tables, tables padded with block 0 (the null block)."""
+    slots = [table[p // block_size] * block_size + p % block_size
+             for q, s, table in zip(query_lens, seq_lens, tables) for p in range(s - q, s)]
+    width = max(len(t) for t in tables)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    n_dec = sum(query_lens[:num_decodes])
+    return AttentionMetadata(
+        num_decodes=num_decodes, num_prefills=len(query_lens) - num_decodes,
+        num_decode_tokens=n_dec, num_prefill_tokens=qsl[-1] - n_dec, block_size=block_size,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                  dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens_host=list(seq_lens), query_lens_host=list(query_lens),
+        max_seq_len=max(seq_lens), max_query_len=max(query_lens))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from tessellm.errors import KernelError
-from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
 from tessellm.kernels.registry import KernelQuery
 
 EXAMPLE_BLOCK_SIZE = 16
@@ -33,28 +33,11 @@ def make_attention_metadata(query_lens: list[int], seq_lens: list[int], block_si
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2  # block 0 is the null block (padding), one spare
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    tables, slots, cursor = [], [], 0
-    for q, s, nb in zip(query_lens, seq_lens, blocks_per_seq):
-        table = perm[cursor:cursor + nb]
+    tables, cursor = [], 0
+    for nb in blocks_per_seq:
+        tables.append(perm[cursor:cursor + nb])
         cursor += nb
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(s - q, s)]
-    width = max(blocks_per_seq)
-    bt = torch.zeros((len(tables), width), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    n_dec_tok = sum(query_lens[:num_decodes])
-    meta = AttentionMetadata(
-        num_decodes=num_decodes, num_prefills=len(query_lens) - num_decodes,
-        num_decode_tokens=n_dec_tok, num_prefill_tokens=qsl[-1] - n_dec_tok,
-        block_size=block_size, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        block_tables=bt.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-        seq_lens_host=list(seq_lens), query_lens_host=list(query_lens),
-        max_seq_len=max(seq_lens), max_query_len=max(query_lens))
+    meta = metadata_from_tables(query_lens, seq_lens, tables, num_decodes, block_size, dev)
     return meta, num_blocks
 
 
