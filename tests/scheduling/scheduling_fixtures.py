@@ -82,10 +82,10 @@ class Tracker:
             assert self.steps < max_steps
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput, levels: dict[str, int | None],
-               was_running: set[str], arrival: dict[str, int]) -> None:
-    """Limits, block accounting, and the eviction rule: every victim sorts after every request
-    that got tokens, by (level, arrival); after a newly admitted one by level alone."""
+def check_limits_and_blocks(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Invariants of every step: token budget, sequence cap, decodes first, each scheduled
+    request's table covers its tokens, ref counts equal table occurrences (a block in two
+    tables only via a prefix-cache hit), no leak, waiting requests hold no blocks."""
     cfg, kv = sched.config, sched.kv
     sizes = [s.num_tokens for s in out.scheduled]
     assert out.num_batched_tokens == sum(sizes) <= cfg.max_num_batched_tokens
@@ -96,14 +96,30 @@ def check_step(sched: Scheduler, out: SchedulerOutput, levels: dict[str, int | N
     assert sizes == sorted(sizes, key=lambda n: n != 1)          # one-token entries first
     ids = [s.request.request_id for s in out.scheduled]
     assert len(ids) == len(set(ids))
-    victims = {r.request_id for r in out.preempted}
-    assert not set(ids) & victims
+    assert not set(ids) & {r.request_id for r in out.preempted}
     for s in out.scheduled:
         r = s.request
         assert r.status is RequestStatus.RUNNING
         assert r.num_computed_tokens + s.num_tokens <= r.num_tokens
         assert len(kv.block_table(r.request_id)) == kv.num_blocks_needed(
             r.num_computed_tokens + s.num_tokens)
+    tables = [kv.block_table(r.request_id) for r in sched.running]
+    flat = [b for t in tables for b in t]
+    for b in set(flat):                                          # shared only via a cache hit
+        assert kv.pool.ref_count(b) == flat.count(b)
+        assert flat.count(b) == 1 or kv.pool.block_hash(b) is not None
+    if not kv.enable_prefix_caching:
+        assert len(flat) == len(set(flat)) and kv.pool.num_cached_blocks == 0
+    assert len(set(flat)) + kv.num_free_blocks == kv.num_blocks  # no leak
+    assert all(kv.block_table(r.request_id) == [] for r in sched.waiting)
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput, levels: dict[str, int | None],
+               was_running: set[str], arrival: dict[str, int]) -> None:
+    """check_limits_and_blocks, plus the eviction rule: every victim sorts after every request
+    that got tokens, by (level, arrival); after a newly admitted one by level alone."""
+    check_limits_and_blocks(sched, out)
+    kv = sched.kv
     for v in out.preempted:
         assert v.request_id in was_running and v.status is RequestStatus.WAITING
         swapped = sched.swap_space is not None and sched.swap_space.is_swapped(v.request_id)
@@ -119,12 +135,3 @@ def check_step(sched: Scheduler, out: SchedulerOutput, levels: dict[str, int | N
     assert sched.waiting == tuple(sorted(
         sched.waiting, key=lambda r: (sched.effective_priority(r.request_id),
                                       arrival[r.request_id])))
-    tables = [kv.block_table(r.request_id) for r in sched.running]
-    flat = [b for t in tables for b in t]
-    for b in set(flat):                                          # shared only via a cache hit
-        assert kv.pool.ref_count(b) == flat.count(b)
-        assert flat.count(b) == 1 or kv.pool.block_hash(b) is not None
-    if not kv.enable_prefix_caching:
-        assert len(flat) == len(set(flat))
-    assert len(set(flat)) + kv.num_free_blocks == kv.num_blocks  # no leak
-    assert all(kv.block_table(r.request_id) == [] for r in sched.waiting)

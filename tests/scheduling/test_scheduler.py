@@ -13,6 +13,7 @@ from tessellm.errors import ConfigError, InvalidRequestError
 from tessellm.request import FinishReason, Request, RequestStatus
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
+from scheduling_fixtures import check_limits_and_blocks
 
 TOKEN = 5   # what the fake model always samples (never EOS)
 
@@ -263,35 +264,6 @@ def test_config_validation(kwargs: dict[str, int]) -> None:
         SchedulerConfig(**{**base, **kwargs})
 
 
-def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    cfg, kv = sched.config, sched.kv
-    sizes = [s.num_tokens for s in out.scheduled]
-    assert out.num_batched_tokens == sum(sizes) <= cfg.max_num_batched_tokens
-    assert len(out.scheduled) <= sched.num_running <= cfg.max_num_seqs
-    assert all(n >= 1 for n in sizes)
-    if cfg.long_prefill_token_threshold:
-        assert max(sizes, default=0) <= cfg.long_prefill_token_threshold
-    assert sizes == sorted(sizes, key=lambda n: n != 1)      # one-token entries first
-    ids = [s.request.request_id for s in out.scheduled]
-    assert len(ids) == len(set(ids))
-    assert not set(ids) & {r.request_id for r in out.preempted}
-    for s in out.scheduled:
-        r = s.request
-        assert r.status is RequestStatus.RUNNING
-        assert r.num_computed_tokens + s.num_tokens <= r.num_tokens
-        assert len(kv.block_table(r.request_id)) == kv.num_blocks_needed(
-            r.num_computed_tokens + s.num_tokens)
-    tables = [kv.block_table(r.request_id) for r in sched.running]
-    flat = [b for t in tables for b in t]
-    for b in set(flat):                                       # shared only via a cache hit
-        assert kv.pool.ref_count(b) == flat.count(b)
-        assert flat.count(b) == 1 or kv.pool.block_hash(b) is not None
-    if not kv.enable_prefix_caching:
-        assert len(flat) == len(set(flat)) and kv.pool.num_cached_blocks == 0
-    assert len(set(flat)) + kv.num_free_blocks == kv.num_blocks   # no leak
-    assert all(kv.block_table(r.request_id) == [] for r in sched.waiting)
-
-
 workload = st.lists(st.tuples(st.integers(1, 100), st.integers(1, 30), st.integers(0, 6)),
                     min_size=1, max_size=6)
 
@@ -319,7 +291,7 @@ def test_random_workloads_finish_within_limits(
         t += 1
         busy = sched.has_unfinished
         out = sched.schedule()
-        check_step(sched, out)
+        check_limits_and_blocks(sched, out)
         if busy:
             assert out.num_batched_tokens >= 1                 # progress every step
             busy_steps += 1
@@ -360,7 +332,7 @@ def test_random_eos_aborts_and_length_caps_leave_nothing_behind(
     steps = 0
     while sched.has_unfinished:
         out = sched.schedule()
-        check_step(sched, out)
+        check_limits_and_blocks(sched, out)
         if data.draw(st.integers(0, 9)) == 0:
             victim = data.draw(st.sampled_from(requests))
             was_unfinished = not victim.is_finished
@@ -537,7 +509,7 @@ def run_workload(prompts: list[list[int]], max_tokens: list[int], arrivals: list
             sched.add_request(requests[order.pop(0)])
         t += 1
         out = sched.schedule()
-        check_step(sched, out)
+        check_limits_and_blocks(sched, out)
         sched.update_from_output(out, model.run(out))
         assert t < 5000
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
