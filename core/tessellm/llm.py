@@ -1,27 +1,105 @@
-"""The offline API: `LLM(model=DIR, device=..., dtype=..., **engine_options).generate(...)`."""
+"""The offline API, shaped as a vLLM user expects: `LLM(model=DIR, device=..., dtype=...,
+**engine_options)`, then `.generate(prompts, params)` or `.chat(messages, params)`.
+
+Outputs use the server's definitions: a sample's text is what it adds to its prompt (a
+SentencePiece word start keeps its space), ends right before its first stop string, and a stop
+string finishes the request in the engine as soon as it appears (finish_reason "stop").
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
+from tessellm.engine.chat_template import chat_template_of, encode_chat
 from tessellm.engine.detokenizer import decode_continuation
 from tessellm.engine.llm_engine import LLMEngine
+from tessellm.engine.output_processor import OutputProcessor, RawDelta
+from tessellm.engine.stop_strings import StopStringMatcher
 from tessellm.errors import InvalidRequestError
 from tessellm.plugins import PluginManager
-from tessellm.request import Request
+from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a prompt (vLLM's CompletionOutput): `index` in 0..n-1; `text` ends
+    before a stop string; `token_ids` are every token generated (the one that completed a stop
+    string included)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One prompt's result. `outputs`: its n samples in index order (vLLM's shape). The flat
+    fields token_ids / text / finish_reason are the first sample's; `samples` holds all n as
+    RequestOutputs when n > 1 (empty when n == 1). `prompt`: the prompt text when it was given
+    as text (for chat, the rendered template), else None."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
     samples: list[RequestOutput] = field(default_factory=list)  # n > 1: all n, first one too
+    prompt: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+class _StopStringWatch:
+    """The stop strings of one generate call, checked after every step through the server's
+    OutputProcessor. A request whose text shows a stop string is finished in the engine at
+    once (reason stop, blocks freed), so it does not run on to max_tokens. Only requests with
+    stop strings are watched; the others are detokenized once, at the end."""
+
+    def __init__(self, engine: LLMEngine, tokenizer: Any, requests: list[Request]) -> None:
+        self._engine = engine
+        self._outputs = OutputProcessor(tokenizer)
+        self._sent: dict[str, tuple[Request, int]] = {}  # unfinished: request, tokens fed
+        self._texts: dict[str, list[str]] = {}
+        self._reasons: dict[str, str] = {}
+        for r in requests:
+            if r.params.stop:
+                self._outputs.track(r.request_id, r.prompt_token_ids, r.params.stop)
+                self._sent[r.request_id] = (r, 0)
+                self._texts[r.request_id] = []
+
+    def update(self) -> None:
+        """Feed every watched request's new tokens; finish those that hit a stop string."""
+        stopped = []
+        for rid, (r, sent) in list(self._sent.items()):
+            n = len(r.output_token_ids)
+            if n == sent and not r.is_finished:
+                continue
+            reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
+            delta, stop_now = self._outputs.process(RawDelta(
+                rid, r.output_token_ids[sent:n], [], r.is_finished, reason, None,
+                r.num_prompt_tokens, n))
+            self._sent[rid] = (r, n)
+            if delta is not None:
+                self._texts[rid].append(delta.text)
+                if delta.finished:
+                    self._reasons[rid] = delta.finish_reason or reason or "stop"
+                    del self._sent[rid]
+            if stop_now:
+                stopped.append(rid)
+        if stopped:
+            self._engine.scheduler.finish_requests(stopped, FinishReason.STOP)
+
+    def result(self, request_id: str) -> tuple[str, str] | None:
+        """(text, finish_reason) of a watched request once finished; None if not watched."""
+        if request_id not in self._reasons:
+            return None
+        return "".join(self._texts[request_id]), self._reasons[request_id]
 
 
 class LLM:
@@ -45,31 +123,77 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: int | Sequence[int] | None = None, n: int = 1
+                 priority: int | Sequence[int] | None = None, n: int | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Nothing is queued if
         any prompt, params or priority entry is invalid. `priority`: one for all prompts or
         one per prompt, 0 (most urgent, the default) .. priority_levels - 1.
-        `n`: samples per prompt (sample i seeded with seed + i when params.seed is set); the
-        samples share the prompt's KV blocks (copy-on-write). With n > 1 each output holds
-        its first sample's fields and all n in `samples`."""
+        `n`: samples per prompt, else each params' own `n` (a params n other than 1 that
+        differs from `n` is an error). Sample i is seeded with seed + i when params.seed is
+        set; the samples share the prompt's KV blocks (copy-on-write). `params.stop`: see
+        SamplingParams; the text is trimmed as the server trims it."""
         if isinstance(prompts, str):
             raise InvalidRequestError("prompts must be a list of strings or of token-id lists")
+        per_prompt, priorities, ns = self._per_prompt(len(prompts), params, priority, n)
+        token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(token_lists, texts, per_prompt, priorities, ns)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"}
+        dicts) or to each of a list of them; one RequestOutput per conversation, whose
+        `prompt` is the rendered template. The template is `chat_template` (a Jinja string),
+        else the tokenizer's; with neither, InvalidRequestError. The rendered text is
+        tokenized without special tokens: the template writes its own BOS."""
+        conversations = _conversations(messages)
+        per_prompt, priorities, ns = self._per_prompt(len(conversations), params, priority,
+                                                      None)
+        template = chat_template_of(self.tokenizer, chat_template)
+        rendered = [encode_chat(self.tokenizer, c, template,
+                                add_generation_prompt=add_generation_prompt)
+                    for c in conversations]
+        return self._run([ids for _, ids in rendered], [text for text, _ in rendered],
+                         per_prompt, priorities, ns)
+
+    @staticmethod
+    def _per_prompt(count: int, params: SamplingParams | Sequence[SamplingParams] | None,
+                    priority: int | Sequence[int] | None, n: int | None
+                    ) -> tuple[list[SamplingParams], list[int], list[int]]:
+        """Params, priority and number of samples of each of `count` prompts, validated."""
         params = params or SamplingParams()
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+        per_prompt = [params] * count if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != count:
+            raise InvalidRequestError(f"{count} prompts but {len(per_prompt)} SamplingParams")
+        if not all(isinstance(p, SamplingParams) for p in per_prompt):
+            raise InvalidRequestError("params must be a SamplingParams or one per prompt")
         priority = 0 if priority is None else priority
-        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
-        if len(priorities) != len(prompts):
-            raise InvalidRequestError(f"{len(prompts)} prompts but {len(priorities)} priorities")
+        priorities = [priority] * count if isinstance(priority, int) else list(priority)
+        if len(priorities) != count:
+            raise InvalidRequestError(f"{count} prompts but {len(priorities)} priorities")
+        if n is None:
+            return per_prompt, priorities, [p.n for p in per_prompt]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
-        token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for p in per_prompt:
+            if p.n != 1 and p.n != n:
+                raise InvalidRequestError(
+                    f"n={n} but SamplingParams.n={p.n}; give the number of samples once", "n")
+        return per_prompt, priorities, [n] * count
+
+    def _run(self, token_lists: list[list[int]], texts: list[str | None],
+             per_prompt: list[SamplingParams], priorities: list[int], ns: list[int]
+             ) -> list[RequestOutput]:
+        """Queue every group (or none), step until all finish, collect in prompt order."""
+        for p in {id(p): p for p in per_prompt}.values():
+            if p.stop:
+                StopStringMatcher(p.stop)  # the output processor's limits, before queueing
         groups: list[list[Request]] = []
         requests: list[Request] = []
         try:
-            for ids, p, prio in zip(token_lists, per_prompt, priorities):
+            for ids, p, prio, n in zip(token_lists, per_prompt, priorities, ns):
                 group = self.engine.add_request_group(ids, p, n, priority=prio)
                 groups.append(group)
                 requests += group
@@ -77,23 +201,41 @@ class LLM:
             for r in requests:
                 self.engine.abort(r.request_id)
             raise
+        stops = _StopStringWatch(self.engine, self.tokenizer, requests)
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
+                stops.update()
         finally:  # on a failed step, the other requests of this call are aborted too
             for r in requests:
                 if not r.is_finished:
                     self.engine.abort(r.request_id)
-        outputs = []
-        for group in groups:
-            samples = [self._output(r) for r in group]
-            first = samples[0]
-            if n > 1:
-                first = replace(first, samples=samples)
-            outputs.append(first)
-        return outputs
+        return [self._output(group, text, stops) for group, text in zip(groups, texts)]
 
-    def _output(self, r: Request) -> RequestOutput:
-        return RequestOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                             self.decode(r.output_token_ids, r.prompt_token_ids),
-                             r.finish_reason.value)
+    def _output(self, group: list[Request], prompt: str | None,
+                stops: _StopStringWatch) -> RequestOutput:
+        samples = []
+        for i, r in enumerate(group):
+            watched = stops.result(r.request_id)
+            text, reason = watched if watched is not None else (
+                self.decode(r.output_token_ids, r.prompt_token_ids), r.finish_reason.value)
+            out = CompletionOutput(i, text, list(r.output_token_ids), reason)
+            samples.append(RequestOutput(r.request_id, r.prompt_token_ids, out.token_ids, text,
+                                         reason, prompt=prompt, outputs=[out]))
+        first = samples[0]
+        return RequestOutput(first.request_id, first.prompt_token_ids, first.token_ids,
+                             first.text, first.finish_reason,
+                             samples if len(group) > 1 else [], prompt,
+                             [s.outputs[0] for s in samples])
+
+
+def _conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:
+    """One conversation (its first item a message dict) or a list of conversations."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) \
+            or not messages:
+        raise InvalidRequestError("messages must be a conversation (a non-empty list of "
+                                  "{'role', 'content'} dicts) or a list of conversations",
+                                  "messages")
+    if isinstance(messages[0], Mapping):
+        return [messages]  # type: ignore[list-item]
+    return list(messages)  # type: ignore[arg-type]

@@ -19,10 +19,12 @@ from tessellm.kernels import reference
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.registry import Kernel, KernelQuery
 from tessellm.paths import cache_root
+from tessellm.quant.formats import PackedFormat, PackedWeight, dequantize, quantize
 from tessellm.plugin_spec import API_VERSION, hookimpl
 
 __all__ = [
     "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "CompletedEvent",
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
-    "MemoryInfo", "SynchronousStream", "TransferStream", "cache_root", "hookimpl", "reference",
+    "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream", "cache_root", "dequantize", "hookimpl",
+    "quantize", "reference",
 ]

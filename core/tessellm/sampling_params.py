@@ -16,6 +16,21 @@ def _real(name: str, value: object) -> float:
     return float(value)
 
 
+def _stop_strings(stop: object) -> list[str]:
+    """`stop` as a list of distinct non-empty strings, in order (None: none)."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise InvalidRequestError(
+            f"stop must be a string or a list of strings, got {type(stop).__name__}", "stop")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}",
+                                      "stop")
+    return list(dict.fromkeys(items))
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -32,6 +47,12 @@ class SamplingParams:
       generated tokens has its logit divided by the penalty if positive, multiplied if negative.
     `logprobs`: None returns none; k in [0, MAX_LOGPROBS] returns the sampled token's logprob
     and the k most likely tokens' logprobs (see tessellm.engine.sampler for which logits).
+
+    `stop`: stop strings (a single string is a list of one), non-empty, duplicates dropped in
+    order. The output ends right before the first one to appear, which is not returned
+    (OpenAI's semantics; tessellm.engine.stop_strings); the token ids keep the tokens up to
+    the one that completed it. `n`: samples of the prompt (LLM.generate; sample i seeded with
+    seed + i). Neither changes what the sampler does for one sequence.
     """
 
     max_tokens: int = 16
@@ -46,6 +67,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -76,6 +99,9 @@ class SamplingParams:
         ):
             raise InvalidRequestError(f"logprobs must be None or an integer in "
                                       f"[0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        self.stop = _stop_strings(self.stop)
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
 
     @property
     def greedy(self) -> bool:

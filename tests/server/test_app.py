@@ -8,12 +8,17 @@ from tessellm.engine.async_engine import AsyncEngine
 from tessellm.server.app import create_app
 from tessellm.server.metrics import ServerMetrics
 from tessellm.server.server_config import ServerConfig
-from tessellm.server.state import ServerState, served_model_name
+from tessellm.models.source import ModelSource
+from tessellm.server.state import ServerState, model_aliases
 
 
-def test_model_names():
-    assert served_model_name(None) == "demo"
-    assert served_model_name("/models/stories260K-hf/") == "stories260K-hf"
+def test_model_names(tmp_path):
+    source = ModelSource("gguf", tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf",
+                         "SmolLM2-135M-Instruct.Q4_1")
+    names = model_aliases(None, source)
+    assert "SmolLM2-135M-Instruct.Q4_1" in names and str(source.path) in names
+    repo = ModelSource("hf_dir", tmp_path / "snap", "org/name")
+    assert {"org/name", str(tmp_path / "snap")} <= model_aliases("org/name", repo)
 
 
 def test_each_app_has_its_own_registry(offline):

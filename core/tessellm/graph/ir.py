@@ -3,7 +3,8 @@
 Conventions (relied on by passes and lowering):
 - placeholders: `input_ids` [T], `positions` [T], `attn_meta` (AttentionMetadata),
   `logits_indices` [num_seqs_to_sample], and `kv_cache_<layer>` per layer;
-- `get_attr` nodes name a key of `ModelGraph.weights`;
+- `get_attr` nodes name a key of `ModelGraph.weights`: a tensor, or a PackedWeight that only
+  `linear_packed` / `embedding_packed` read (the builder picks the op from the weight);
 - device-op nodes are call_function nodes whose target is in `graph.ops`; their
   `meta["dims"]` is the (name, size) tuple the kernel registry's KernelQuery needs, and
   `meta["role"]` / `meta["layer"]` say what they are (e.g. "q_proj", 3) for the passes;
@@ -19,12 +20,13 @@ import torch
 import torch.fx as fx
 
 from tessellm.graph import ops
+from tessellm.quant.formats import PackedWeight
 
 
 @dataclass
 class ModelGraph:
     graph: fx.Graph
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | PackedWeight]
     num_layers: int
 
     def op_nodes(self, target: Callable | None = None) -> list[fx.Node]:
@@ -81,11 +83,21 @@ class GraphBuilder:
 
     def linear(self, x: fx.Node, prefix: str, *, role: str, layer: int | None,
                bias: bool) -> fx.Node:
+        weight = self.weights[prefix + ".weight"]
         w = self.weight(prefix + ".weight")
         b = self.weight(prefix + ".bias") if bias else None
-        out_f, in_f = self.weights[prefix + ".weight"].shape
-        return self.op(ops.linear, x, w, b, dims=linear_dims(in_f, out_f, bias),
+        out_f, in_f = weight.shape
+        return self.op(*linear_call(x, w, b, weight), dims=linear_dims(in_f, out_f, bias, weight),
                        role=role, layer=layer)
+
+    def embedding(self, ids: fx.Node, name: str, *, role: str) -> fx.Node:
+        weight = self.weights[name]
+        vocab, hidden = weight.shape
+        dims = {"vocab": int(vocab), "hidden": int(hidden)}
+        if isinstance(weight, PackedWeight):
+            return self.op(ops.embedding_packed, ids, self.weight(name),
+                           dims={**dims, "qtype": weight.format.ggml_type}, role=role)
+        return self.op(ops.embedding, ids, self.weight(name), dims=dims, role=role)
 
     def call(self, fn: Callable, *args: Any) -> fx.Node:
         return self.graph.call_function(fn, tuple(args))
@@ -97,5 +109,16 @@ class GraphBuilder:
         self.graph.output(node)
 
 
-def linear_dims(in_f: int, out_f: int, bias: bool) -> dict[str, int]:
-    return {"in_features": int(in_f), "out_features": int(out_f), "bias": int(bias)}
+def linear_dims(in_f: int, out_f: int, bias: bool,
+                weight: torch.Tensor | PackedWeight | None = None) -> dict[str, int]:
+    """Kernel-query dims of a linear; a packed weight adds its GGML type as `qtype`."""
+    dims = {"in_features": int(in_f), "out_features": int(out_f), "bias": int(bias)}
+    if isinstance(weight, PackedWeight):
+        dims["qtype"] = weight.format.ggml_type
+    return dims
+
+
+def linear_call(x: fx.Node, w: fx.Node, b: fx.Node | None,
+                weight: torch.Tensor | PackedWeight) -> tuple[Any, ...]:
+    """(target, *args) of a linear node reading `weight`: linear_packed for a packed one."""
+    return (ops.linear_packed if isinstance(weight, PackedWeight) else ops.linear, x, w, b)

@@ -24,6 +24,14 @@ def linear(x, weight, bias=None):
     return ref.linear(x, weight, bias)
 
 
+def embedding_packed(ids, weight):
+    return ref.embedding_packed(ids, weight)
+
+
+def linear_packed(x, weight, bias=None):
+    return ref.linear_packed(x, weight, bias)
+
+
 def rms_norm(x, weight, eps):
     return ref.rms_norm(x, weight, eps)
 
@@ -86,7 +94,7 @@ def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 DEVICE_OPS: dict[Callable, str] = {
     fn: fn.__name__ for fn in (
-        embedding, linear, rms_norm, fused_add_rms_norm, layer_norm, add, mul, silu,
+        embedding, linear, embedding_packed, linear_packed, rms_norm, fused_add_rms_norm, layer_norm, add, mul, silu,
         silu_and_mul, gelu_tanh, rotary_embedding)
 }
 COMPOSITE_OPS: dict[Callable, tuple[str, ...]] = {

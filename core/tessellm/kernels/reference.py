@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.quant.formats import PackedWeight, dequantize
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -22,6 +23,18 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return x @ weight.t() + bias if bias is not None else x @ weight.t()
+
+
+def embedding_packed(ids: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """Rows of a packed embedding, dequantized to its compute dtype."""
+    return dequantize(weight.rows(ids))
+
+
+def linear_packed(x: torch.Tensor, weight: PackedWeight,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) over the dequantized weight, in float32, cast to x's dtype."""
+    out = x.float() @ dequantize(weight, torch.float32).t()
+    return (out + bias.float() if bias is not None else out).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,6 +148,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 REFERENCE_OPS = {
     "embedding": embedding,
     "linear": linear,
+    "embedding_packed": embedding_packed,
+    "linear_packed": linear_packed,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "layer_norm": layer_norm,

@@ -18,9 +18,16 @@ class Architecture:
     spec: Callable[[dict[str, Any]], ModelSpec]
     adapt_weights: Callable[[dict[str, torch.Tensor], ModelSpec], dict[str, torch.Tensor]]
     build_graph: Callable[[ModelSpec, dict[str, torch.Tensor]], ModelGraph]
+    # GGUF weights arrive under the graph's names (tessellm.models.gguf_file); this adds what
+    # the graph needs beyond them (the rope table). None: the weights are used as they come.
+    gguf_adapt: Callable[[dict[str, Any], ModelSpec], dict[str, Any]] | None = None
+
+    def adapt_gguf_weights(self, weights: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
+        return self.gguf_adapt(weights, spec) if self.gguf_adapt else weights
 
 
-_LLAMA = Architecture(llama_family_spec, llama.adapt_llama_weights, llama.build_llama_graph)
+_LLAMA = Architecture(llama_family_spec, llama.adapt_llama_weights, llama.build_llama_graph,
+                      llama.adapt_llama_weights)
 
 BUILTIN_ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": _LLAMA,

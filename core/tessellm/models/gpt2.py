@@ -40,10 +40,8 @@ def build_gpt2_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Model
     inp = b.step_inputs(spec.num_layers)
     h = spec.hidden_size
     hid = {"hidden": h}
-    tok = b.op(ops.embedding, inp.input_ids, b.weight("wte.weight"),
-               dims={"vocab": spec.vocab_size, "hidden": h}, role="embed")
-    pos = b.op(ops.embedding, inp.positions, b.weight("wpe.weight"),
-               dims={"vocab": spec.max_position_embeddings, "hidden": h}, role="pos_embed")
+    tok = b.embedding(inp.input_ids, "wte.weight", role="embed")
+    pos = b.embedding(inp.positions, "wpe.weight", role="pos_embed")
     x = b.op(ops.add, tok, pos, dims=hid, role="embed_sum")
     for i in range(spec.num_layers):
         p = f"h.{i}"

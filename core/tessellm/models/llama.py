@@ -30,8 +30,7 @@ def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
     norm = {"hidden": h}
     cos_sin = b.weight(COS_SIN)
 
-    x = b.op(ops.embedding, inp.input_ids, b.weight("model.embed_tokens.weight"),
-             dims={"vocab": spec.vocab_size, "hidden": h}, role="embed")
+    x = b.embedding(inp.input_ids, "model.embed_tokens.weight", role="embed")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}"
         n = b.op(ops.rms_norm, x, b.weight(f"{p}.input_layernorm.weight"), spec.norm_eps,

@@ -1,16 +1,22 @@
-"""Load an HF model directory into a ModelSpec, adapted host weights and the unfused graph."""
+"""Load a model source (HF directory or GGUF file) into a ModelSpec, adapted host weights and
+the unfused graph."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tessellm.graph.ir import ModelGraph
 from tessellm.models.architectures import Architecture, resolve_architecture
+from tessellm.models.gguf_file import load_gguf
 from tessellm.models.hf_files import load_safetensors, read_hf_config
+from tessellm.models.source import ModelSource
 from tessellm.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -18,18 +24,47 @@ class LoadedModel:
     config: dict[str, Any]
     spec: ModelSpec
     graph: ModelGraph
+    packed_types: Counter = field(default_factory=Counter)       # kept packed, by type
+    dequantized_types: Counter = field(default_factory=Counter)  # expanded at load, by type
 
 
 def checkpoint_dtype(config: dict[str, Any]) -> str | None:
     return config.get("torch_dtype") or config.get("dtype")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, *, progress: bool = True,
+def read_source_config(source: ModelSource) -> dict[str, Any]:
+    """The HF-style config of a source (a GGUF file's metadata, converted)."""
+    if source.kind == "gguf":
+        from tessellm.models.gguf_file import gguf_config, open_gguf
+        return gguf_config(open_gguf(source.path))
+    return read_hf_config(source.path)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True,
+               keep_packed: bool = True,
                extra_architectures: dict[str, Architecture] | None = None,
                config: dict[str, Any] | None = None) -> LoadedModel:
-    """Resolve the architecture first (so an unsupported one fails before any weight is read)."""
-    config = config if config is not None else read_hf_config(model_dir)
+    """Resolve the architecture first (so an unsupported one fails before any weight is read).
+
+    keep_packed: a GGUF file's Q8_0/Q4_0/Q4_1 matrices stay packed; other types (and all of
+    them when False) are dequantized to `dtype`, which the log says.
+    """
+    config = config if config is not None else read_source_config(source)
     arch = resolve_architecture(config, extra_architectures)
     spec = arch.spec(config)
-    weights = arch.adapt_weights(load_safetensors(model_dir, dtype, progress=progress), spec)
-    return LoadedModel(config, spec, arch.build_graph(spec, weights))
+    if source.kind != "gguf":
+        weights = arch.adapt_weights(load_safetensors(source.path, dtype, progress=progress), spec)
+        return LoadedModel(config, spec, arch.build_graph(spec, weights))
+    gg = load_gguf(source.path, dtype, keep_packed=keep_packed)
+    if gg.dequantized_types:
+        log.info("GGUF %s: dequantized to %s at load: %s", source.path.name,
+                 str(dtype).removeprefix("torch."), _counts(gg.dequantized_types))
+    if gg.packed_types:
+        log.info("GGUF %s: kept packed: %s", source.path.name, _counts(gg.packed_types))
+    weights = arch.adapt_gguf_weights(gg.weights, spec)
+    return LoadedModel(config, spec, arch.build_graph(spec, weights), gg.packed_types,
+                       gg.dequantized_types)
+
+
+def _counts(c: Counter) -> str:
+    return ", ".join(f"{name} x{n}" for name, n in sorted(c.items()))

@@ -57,6 +57,9 @@ class EngineCollector(Collector):
                                 "Requests accepted and not yet running", self._async.num_waiting)
         yield GaugeMetricFamily("tessellm:kv_cache_usage_perc",
                                 "Fraction of KV cache blocks in use (0..1)", engine.kv.usage)
+        yield GaugeMetricFamily("tessellm:model_weight_bytes",
+                                "Bytes of model weights on the device (packed ones as stored)",
+                                engine.parts.weight_bytes)
         s = engine.stats
         yield CounterMetricFamily("tessellm:prompt_tokens", "Prompt tokens computed",
                                   s.num_prompt_tokens)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessellm.engine.async_engine import AsyncEngine, RequestStream
+from tessellm.models.source import ModelSource
 from tessellm.sampling_params import SamplingParams
 from tessellm.server.errors import APIError, bad_request
 from tessellm.server.logprobs import TokenTexts
@@ -25,11 +26,13 @@ NO_CHAT_TEMPLATE = ("this model has no chat template; start the server with "
                     "--chat-template FILE (a Jinja template) or use /v1/completions")
 
 
-def served_model_name(model: str | None) -> str:
-    """The name clients pass as `model`: the model directory's basename, or "demo"."""
-    if model is None:
-        return "demo"
-    return os.path.basename(os.path.normpath(model)) or model
+def model_aliases(model_option: str | None, source: ModelSource) -> frozenset[str]:
+    """The names a client may pass as `model`: the source's name (a directory's basename, a
+    GGUF file's stem, a repo id, "demo"), the --model text as given, and its paths."""
+    names = {source.name, str(source.path), os.path.abspath(source.path)}
+    if model_option is not None:
+        names |= {model_option, os.path.normpath(model_option), os.path.abspath(model_option)}
+    return frozenset(names)
 
 
 @dataclass
@@ -51,13 +54,11 @@ class ServerState:
     @classmethod
     def build(cls, engine: AsyncEngine, config: ServerConfig, model_path: str | None,
               chat_template: str | None = None) -> ServerState:
-        tok = engine.engine.parts.tokenizer
-        name = served_model_name(model_path)
-        aliases = {name}
-        if model_path is not None:
-            aliases |= {model_path, os.path.normpath(model_path), os.path.abspath(model_path)}
+        parts = engine.engine.parts
+        tok = parts.tokenizer
         template = chat_template or getattr(tok, "chat_template", None) or None
-        return cls(engine, tok, config, name, frozenset(aliases), engine.engine.max_model_len,
+        return cls(engine, tok, config, parts.source.name, model_aliases(model_path, parts.source),
+                   engine.engine.max_model_len,
                    template, ServerMetrics(engine), TokenTexts(tok))
 
     def check_model(self, model: str | None) -> None:

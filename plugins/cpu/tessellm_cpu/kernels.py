@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import logging
 
-from tessellm.plugin_api import Kernel
+from tessellm.plugin_api import Kernel, PackedWeight, dequantize
 from tessellm_cpu import attention
 from tessellm_cpu.native_build import NativeBuildError
 
@@ -63,16 +63,31 @@ def write_kv_index_copy(k, v, kv_cache, slot_mapping):
     kv_cache[1][index] = v.view(-1, nkv, hd).to(kv_cache.dtype)
 
 
+def linear_packed_dequant_matmul(x, weight: PackedWeight, bias=None):
+    return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def embedding_packed_rows(ids, weight: PackedWeight):
+    return dequantize(weight.rows(ids))
+
+
 def native_kernels(device: str) -> list[Kernel]:
-    """The C kernels, when this machine can build them (a warning says why not)."""
+    """The C kernels this machine can build (a warning says why any other is not offered)."""
     from tessellm_cpu.native_attention import NativeDecode
-    try:
-        decode = NativeDecode()
-    except NativeBuildError as e:
-        log.warning("tessellm_cpu: native kernels unavailable, not offered: %s", e)
-        return []
-    return [Kernel(op="attention_decode", name="decode_native_paged", fn=decode, device=device,
-                   supports=decode.supports, description="C, in-place paged reads")]
+    from tessellm_cpu.native_linear import NativePackedLinear
+    specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
+             ("linear_packed", "linear_packed_native", NativePackedLinear,
+              "C, reads Q8_0/Q4_0/Q4_1 blocks in place"))
+    out = []
+    for op, name, build, description in specs:
+        try:
+            fn = build()
+        except NativeBuildError as e:
+            log.warning("tessellm_cpu: native kernel %s unavailable, not offered: %s", name, e)
+            continue
+        out.append(Kernel(op=op, name=name, fn=fn, device=device, supports=fn.supports,
+                          description=description))
+    return out
 
 
 def cpu_kernels(device: str) -> list[Kernel]:
@@ -82,6 +97,9 @@ def cpu_kernels(device: str) -> list[Kernel]:
     return native_kernels(device) + [
         k("embedding", "embedding_aten", F.embedding),
         k("linear", "linear_aten", F.linear),
+        k("linear_packed", "linear_packed_dequant_matmul", linear_packed_dequant_matmul,
+          "dequantize to the activation dtype, then F.linear"),
+        k("embedding_packed", "embedding_packed_rows", embedding_packed_rows),
         k("rms_norm", "rms_norm_aten", rms_norm_aten, "F.rms_norm in float32"),
         k("rms_norm", "rms_norm_composite", rms_norm_composite, "pow/mean/rsqrt in float32"),
         k("fused_add_rms_norm", "fused_add_rms_norm_aten", fused_add_rms_norm),

@@ -3,7 +3,8 @@
 q/k/v -> one qkv linear; gate/up -> one gate_up linear. The fused output is split back with
 `split_last`, so consumers are unchanged. Weights are concatenated once here (at load time) and
 the originals become dead (dead-code removal drops them). Applies only where every sibling is
-present, reads the same input and agrees on bias.
+present, reads the same input, agrees on bias and has weights of one dtype or packed format
+(packed weights are concatenated along rows, which keeps them packed).
 """
 from __future__ import annotations
 
@@ -14,12 +15,24 @@ import torch
 import torch.fx as fx
 
 from tessellm.graph import ops
-from tessellm.graph.ir import ModelGraph, linear_dims
+from tessellm.graph.ir import ModelGraph, linear_call, linear_dims
+from tessellm.quant.formats import PackedWeight, concat_rows
+
+
+def _weight_kind(weight: torch.Tensor | PackedWeight) -> object:
+    """Siblings fuse only when their weights concatenate: same dtype, or same packed format."""
+    return weight.format if isinstance(weight, PackedWeight) else weight.dtype
+
+
+def _concat(weights: list[torch.Tensor | PackedWeight]) -> torch.Tensor | PackedWeight:
+    if isinstance(weights[0], PackedWeight):
+        return concat_rows(weights)  # type: ignore[arg-type]
+    return torch.cat(weights, dim=0)  # type: ignore[arg-type]
 
 
 def _fuse_siblings(mg: ModelGraph, roles: tuple[str, ...], fused_role: str) -> ModelGraph:
     groups: dict[tuple[object, fx.Node], dict[str, fx.Node]] = defaultdict(dict)
-    for node in mg.op_nodes(ops.linear):
+    for node in mg.op_nodes(ops.linear) + mg.op_nodes(ops.linear_packed):
         role = node.meta.get("role")
         if role in roles:
             groups[(node.meta.get("layer"), node.args[0])][role] = node
@@ -31,8 +44,11 @@ def _fuse_siblings(mg: ModelGraph, roles: tuple[str, ...], fused_role: str) -> M
         if any(has_bias) and not all(has_bias):
             continue
         w_names = [n.args[1].target for n in nodes]
-        fused_w = torch.cat([mg.weights[name] for name in w_names], dim=0)
-        sizes = tuple(mg.weights[name].shape[0] for name in w_names)
+        parts = [mg.weights[name] for name in w_names]
+        if len({_weight_kind(w) for w in parts}) != 1:
+            continue  # e.g. a GGUF file with Q4_1 q/k but a Q8_0 v
+        fused_w = _concat(parts)
+        sizes = tuple(w.shape[0] for w in parts)
         stem = f"{fused_role}.{layer}"
         mg.weights[f"{stem}.weight"] = fused_w
         if all(has_bias):
@@ -41,13 +57,14 @@ def _fuse_siblings(mg: ModelGraph, roles: tuple[str, ...], fused_role: str) -> M
         with g.inserting_before(nodes[0]):
             w = g.get_attr(f"{stem}.weight")
             b = g.get_attr(f"{stem}.bias") if all(has_bias) else None
-            fused = g.call_function(ops.linear, (x, w, b))
+            target, *args = linear_call(x, w, b, fused_w)
+            fused = g.call_function(target, tuple(args))
             fused.meta.update(role=fused_role, layer=layer,
                               dims=tuple(sorted(linear_dims(fused_w.shape[1], sum(sizes),
-                                                            all(has_bias)).items())))
-            parts = g.call_function(ops.split_last, (fused, sizes))
+                                                            all(has_bias), fused_w).items())))
+            split = g.call_function(ops.split_last, (fused, sizes))
             for i, node in enumerate(nodes):
-                node.replace_all_uses_with(g.call_function(operator.getitem, (parts, i)))
+                node.replace_all_uses_with(g.call_function(operator.getitem, (split, i)))
         for node in nodes:
             g.erase_node(node)
     return mg

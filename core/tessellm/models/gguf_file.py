@@ -1,0 +1,308 @@
+"""Reading a GGUF file (llama.cpp's format): hyper-parameters, weights, tokenizer, chat template.
+
+The file is read with the `gguf` package and memory-mapped copy-on-write, so tensors kept in
+their packed form (Q8_0, Q4_0, Q4_1) are views of the file, never copies. Invariants:
+- The metadata becomes an HF-style config dict (`architectures`, `hidden_size`, ...), so the
+  architectures' spec readers serve GGUF and safetensors alike.
+- Tensor names are mapped to the names the graph builders read (HF names for the Llama family,
+  the adapted names for GPT-2); a missing tensor is a ModelLoadError naming it.
+- llama.cpp's converter permutes the rows of Q and K of `llama` files for its interleaved
+  rotary layout; they are permuted back here (rows only, so packed tensors stay packed).
+- Every tensor's data must lie inside the file: a truncated file is refused before any read.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tessellm.errors import ModelLoadError, UnsupportedModelError
+from tessellm.quant.formats import PACKED_FORMATS, PackedWeight
+
+log = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gpt2": "GPT2LMHeadModel"}
+_DENSE_TYPES = {0: np.float32, 1: np.float16}   # F32, F16 (BF16 = 30 handled apart)
+_BF16 = 30
+
+Weight = torch.Tensor | PackedWeight
+
+
+@dataclass
+class GGUFModel:
+    path: Path
+    config: dict[str, Any]
+    weights: dict[str, Weight]
+    chat_template: str | None
+    packed_types: Counter       # tensors kept packed, by type name
+    dequantized_types: Counter  # tensors expanded to the compute dtype at load, by type name
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+                   for w in self.weights.values())
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A GGUFReader over the file, or a ModelLoadError saying what is wrong with it."""
+    import gguf  # only GGUF users pay for the import
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ModelLoadError(f"GGUF file {str(p)!r} does not exist")
+    with p.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{p} is not a GGUF file: bad magic {magic!r} (expected b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(p, "c")
+    except (ValueError, KeyError, IndexError, OverflowError, OSError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {p}: {type(exc).__name__}: {exc}") from exc
+    size = p.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelLoadError(f"GGUF file {p} is truncated: tensor {t.name!r} needs bytes "
+                                 f"{t.data_offset}..{t.data_offset + t.n_bytes}, the file has "
+                                 f"{size}")
+    return reader
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _architecture(reader: Any) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(sorted(GGUF_ARCHITECTURES))})")
+    return arch
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    """The HF-style config dict of the file's metadata."""
+    a = _architecture(reader)
+
+    def need(key: str) -> Any:
+        value = _field(reader, f"{a}.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {a}.{key}")
+        return value
+
+    tensors = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{a}.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        raise ModelLoadError(f"GGUF metadata lacks {a}.vocab_size and tokenizer.ggml.tokens")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    kv_heads = _field(reader, f"{a}.attention.head_count_kv")
+    kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads or heads)
+    common = {"vocab_size": int(vocab), "torch_dtype": "float32",
+              "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+              "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
+    if a == "gpt2":
+        return {"architectures": [GGUF_ARCHITECTURES[a]], "n_embd": hidden,
+                "n_layer": int(need("block_count")), "n_head": heads,
+                "n_positions": int(need("context_length")),
+                "n_inner": int(need("feed_forward_length")),
+                "layer_norm_epsilon": float(need("attention.layer_norm_epsilon")),
+                "activation_function": "gelu_new", **common}
+    head_dim = int(_field(reader, f"{a}.attention.key_length") or hidden // heads)
+    rope_dims = int(_field(reader, f"{a}.rope.dimension_count") or head_dim)
+    if rope_dims != head_dim:
+        raise UnsupportedModelError(f"GGUF {a}: partial rotary ({rope_dims} of {head_dim} "
+                                    "dims) is not supported")
+    config = {
+        "architectures": [GGUF_ARCHITECTURES[a]], "hidden_size": hidden,
+        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "intermediate_size": int(need("feed_forward_length")),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(need("context_length")),
+        "rope_theta": float(_field(reader, f"{a}.rope.freq_base") or 10000.0),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu", **common}
+    window = _field(reader, f"{a}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+    scaling = _field(reader, f"{a}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise UnsupportedModelError(f"GGUF {a}: rope scaling {scaling!r} is not supported "
+                                        "(supported: none, linear)")
+        config["rope_scaling"] = {"rope_type": "linear",
+                                  "factor": float(need("rope.scaling.factor"))}
+    if "rope_freqs.weight" in tensors:
+        raise UnsupportedModelError(f"GGUF {a}: per-frequency rope factors (rope_freqs, "
+                                    "Llama 3.1 style rope scaling) are not supported yet")
+    return config
+
+
+# GGUF tensor-name stem -> graph weight-name stem, per family ("{i}" = layer).
+_LLAMA_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
+    "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
+    "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
+    "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+_GPT2_NAMES = {
+    "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
+    "blk.{i}.attn_norm": "h.{i}.ln_1", "blk.{i}.attn_qkv": "h.{i}.attn.qkv_proj",
+    "blk.{i}.attn_output": "h.{i}.attn.c_proj", "blk.{i}.ffn_norm": "h.{i}.ln_2",
+    "blk.{i}.ffn_up": "h.{i}.mlp.c_fc", "blk.{i}.ffn_down": "h.{i}.mlp.c_proj",
+}
+
+
+def _name_map(arch: str, num_layers: int) -> dict[str, str]:
+    table = _GPT2_NAMES if arch == "gpt2" else _LLAMA_NAMES
+    out: dict[str, str] = {}
+    for src, dst in table.items():
+        layers = range(num_layers) if "{i}" in src else (0,)
+        for i in layers:
+            for suffix in (".weight", ".bias"):
+                out[src.format(i=i) + suffix] = dst.format(i=i) + suffix
+    return out
+
+
+def _unpermute_rows(num_heads: int) -> Callable[[int], torch.Tensor]:
+    """Row order that undoes llama.cpp's rotary permutation of a [heads * head_dim, K] weight."""
+    def order(rows: int) -> torch.Tensor:
+        half = rows // num_heads // 2
+        permuted = torch.arange(rows).reshape(num_heads, 2, half).transpose(1, 2).reshape(-1)
+        inverse = torch.empty_like(permuted)
+        inverse[permuted] = torch.arange(rows)
+        return inverse
+    return order
+
+
+def _tensor(t: Any, dtype: torch.dtype, keep_packed: bool, counts: tuple[Counter, Counter]
+            ) -> Weight:
+    """One GGUF tensor as a dense tensor of `dtype` or, where kept, a PackedWeight."""
+    import gguf
+    packed, expanded = counts
+    kind = int(t.tensor_type)
+    name = gguf.GGMLQuantizationType(kind).name
+    if kind in _DENSE_TYPES:
+        return torch.from_numpy(np.asarray(t.data)).to(dtype)
+    if kind == _BF16:
+        raw = torch.from_numpy(np.asarray(t.data).view(np.int16))
+        return raw.view(torch.bfloat16).to(dtype)
+    if keep_packed and kind in PACKED_FORMATS and len(t.data.shape) == 2:
+        packed[name] += 1
+        rows = int(t.data.shape[0])
+        data = torch.from_numpy(np.asarray(t.data)).reshape(rows, -1)
+        return PackedWeight(data, PACKED_FORMATS[kind], int(t.shape[0]), dtype)
+    try:
+        dense = gguf.quants.dequantize(np.asarray(t.data), gguf.GGMLQuantizationType(kind))
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has type {name}, which cannot be "
+                             f"dequantized: {exc}") from exc
+    expanded[name] += 1
+    return torch.from_numpy(dense).to(dtype)
+
+
+def _permute(w: Weight, order: torch.Tensor) -> Weight:
+    return w.rows(order) if isinstance(w, PackedWeight) else w.index_select(0, order)
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGUFModel:
+    """Config, weights (graph names) and chat template of a GGUF file.
+
+    keep_packed: Q8_0 / Q4_0 / Q4_1 matrices stay packed (PackedWeight); every other tensor,
+    and all of them when False, is dequantized to `dtype` at load.
+    """
+    reader = open_gguf(path)
+    config = gguf_config(reader)
+    arch = _field(reader, "general.architecture")
+    num_layers = config.get("num_hidden_layers") or config["n_layer"]
+    names = _name_map(arch, num_layers)
+    by_name = {t.name: t for t in reader.tensors}
+    unknown = sorted(n for n in by_name if n not in names and n != "rope_freqs.weight")
+    if unknown:
+        raise ModelLoadError(f"GGUF file {path} has tensors tessellm does not know for {arch}: "
+                             f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    counts: tuple[Counter, Counter] = (Counter(), Counter())
+    weights: dict[str, Weight] = {}
+    for src, t in by_name.items():
+        weights[names[src]] = _tensor(t, dtype, keep_packed, counts)
+    _check_required(arch, config, weights, names, path)
+    if arch == "llama":  # undo the converter's rotary row permutation of Q and K
+        for i in range(num_layers):
+            p = f"model.layers.{i}.self_attn"
+            for proj, heads in (("q_proj", config["num_attention_heads"]),
+                                ("k_proj", config["num_key_value_heads"])):
+                for suffix in (".weight", ".bias"):
+                    key = f"{p}.{proj}{suffix}"
+                    if key in weights:
+                        weights[key] = _permute(weights[key],
+                                                _unpermute_rows(heads)(weights[key].shape[0]))
+    if arch == "gpt2":
+        _split_gpt2_qkv(weights, num_layers)
+    template = _field(reader, "tokenizer.chat_template")
+    return GGUFModel(Path(path), config, weights, template, *counts)
+
+
+def _check_required(arch: str, config: dict[str, Any], weights: dict[str, Weight],
+                    names: dict[str, str], path: str | Path) -> None:
+    if arch == "gpt2":
+        per_layer = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
+        top = ["token_embd", "position_embd", "output_norm"]
+    else:
+        per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                     "ffn_gate", "ffn_up", "ffn_down"]
+        per_layer += ["attn_q_norm", "attn_k_norm"] if arch == "qwen3" else []
+        top = ["token_embd", "output_norm"] + ([] if config["tie_word_embeddings"] else ["output"])
+    layers = config.get("num_hidden_layers") or config["n_layer"]
+    required = [f"{t}.weight" for t in top] + [
+        f"blk.{i}.{t}.weight" for i in range(layers) for t in per_layer]
+    missing = [r for r in required if names[r] not in weights]
+    if missing:
+        raise ModelLoadError(f"GGUF file {path} lacks tensor(s) {', '.join(missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _split_gpt2_qkv(weights: dict[str, Weight], num_layers: int) -> None:
+    """GPT-2's fused qkv rows -> q/k/v rows: graphs are built unfused (the qkv pass fuses)."""
+    for i in range(num_layers):
+        p = f"h.{i}.attn"
+        for suffix in (".weight", ".bias"):
+            fused = weights.pop(f"{p}.qkv_proj{suffix}", None)
+            if fused is None:
+                continue
+            third = fused.shape[0] // 3
+            for j, name in enumerate("qkv"):
+                rows = torch.arange(j * third, (j + 1) * third)
+                weights[f"{p}.{name}_proj{suffix}"] = _permute(fused, rows)
+
+
+def load_gguf_tokenizer(path: str | Path) -> Any:
+    """The file's tokenizer, built by transformers from the GGUF metadata (offline)."""
+    from transformers import AutoTokenizer
+    p = Path(path)
+    try:
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
+                                             local_files_only=True)
+    except (OSError, ValueError, KeyError, ImportError, TypeError) as exc:
+        raise ModelLoadError(f"cannot build the tokenizer of GGUF file {p}: {exc}") from exc
+
+
+def is_gguf_path(model: str) -> bool:
+    return bool(re.search(r"\.gguf$", model, re.IGNORECASE))

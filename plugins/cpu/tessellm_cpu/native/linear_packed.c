@@ -1,0 +1,146 @@
+/* Linear over packed GGML weights (Q8_0, Q4_0, Q4_1) for the tessellm CPU plugin:
+ * out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W read in its packed form, never expanded.
+ *
+ * Layouts: x float32 [M, K] contiguous; W rows of K / 32 blocks (see tessellm.quant.formats):
+ *   Q8_0 34 B: fp16 d, int8 q[32]              w = d * q
+ *   Q4_0 18 B: fp16 d, u8 qs[16]               w = d * (q - 8)
+ *   Q4_1 20 B: fp16 d, fp16 m, u8 qs[16]       w = d * q + m
+ * (4-bit: weight j < 16 is the low nibble of qs[j], weight j + 16 its high nibble).
+ * Math in float32: per block t = q . x_block, then acc += d * t, plus the offset term
+ * (-8 d or m) times the block's sum of x, precomputed once per row of x. The result equals the
+ * float32 product with the dequantized weight up to summation order.
+ * Work: OpenMP over output features n; each n runs over tiles of up to MT rows of x so each
+ * block is decoded once per tile. AVX-512 where the compiler targets it, else portable C.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define QK 32
+#define MT 8
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+INLINE float f16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0) {
+        if (man == 0) { u = sign; }
+        else {  /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400u)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) { u = sign | 0x7f800000u | (man << 13); }
+    else { u = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+INLINE int64_t block_bytes(int qtype) {
+    return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18;
+}
+
+/* Per-row sums of x over each block of 32: xs[m * nb + b]. */
+static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
+    int64_t nb = K / QK;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *p = x + m * K + b * QK;
+            float s = 0.f;
+            for (int j = 0; j < QK; j++) s += p[j];
+            xs[m * nb + b] = s;
+        }
+}
+
+/* One output feature n for rows m0 .. m0 + mt - 1. */
+INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *wrow,
+                     int qtype, int64_t m0, int mt, float *res) {
+    const int64_t nb = K / QK, bb = block_bytes(qtype);
+    float off[MT] = {0};
+#ifdef __AVX512F__
+    __m512 acc[MT];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        const float d = f16_to_f32(blk);
+        __m512 lo, hi;
+        float o;  /* offset per unit of x sum: -8 d (Q4_0), m (Q4_1), 0 (Q8_0) */
+        if (qtype == Q8_0) {
+            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+            o = 0.f;
+        } else {
+            const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+            lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
+            hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            o = qtype == Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
+        }
+        const __m512 vd = _mm512_set1_ps(d);
+        for (int i = 0; i < mt; i++) {
+            const float *xp = x + (m0 + i) * K + b * QK;
+            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
+            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + 16), t);
+            acc[i] = _mm512_fmadd_ps(t, vd, acc[i]);
+            off[i] += o * xs[(m0 + i) * nb + b];
+        }
+    }
+    for (int i = 0; i < mt; i++) res[i] = _mm512_reduce_add_ps(acc[i]) + off[i];
+#else
+    float acc[MT] = {0};
+    float q[QK];
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + b * bb;
+        const float d = f16_to_f32(blk);
+        float o;
+        if (qtype == Q8_0) {
+            for (int j = 0; j < QK; j++) q[j] = (float)(int8_t)blk[2 + j];
+            o = 0.f;
+        } else {
+            const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) { q[j] = (float)(qs[j] & 0x0f); q[j + 16] = (float)(qs[j] >> 4); }
+            o = qtype == Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
+        }
+        for (int i = 0; i < mt; i++) {
+            const float *xp = x + (m0 + i) * K + b * QK;
+            float t = 0.f;
+            for (int j = 0; j < QK; j++) t += q[j] * xp[j];
+            acc[i] += d * t;
+            off[i] += o * xs[(m0 + i) * nb + b];
+        }
+    }
+    for (int i = 0; i < mt; i++) res[i] = acc[i] + off[i];
+#endif
+}
+
+/* Returns 0, 1 on a bad format or K, 2 when scratch memory cannot be allocated. */
+int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                      int qtype, const float *bias, float *out) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK != 0) return 1;
+    const int64_t nb = K / QK, row = nb * block_bytes(qtype);
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
+    if (!xs) return 2;
+    block_sums(x, M, K, xs);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float res[MT];
+        const float bn = bias ? bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = (int)(M - m0 < MT ? M - m0 : MT);
+            row_tile(x, xs, K, w + n * row, qtype, m0, mt, res);
+            for (int i = 0; i < mt; i++) out[(m0 + i) * N + n] = res[i] + bn;
+        }
+    }
+    free(xs);
+    return 0;
+}

@@ -1,0 +1,49 @@
+"""Linear over packed GGML weights (Q8_0, Q4_0, Q4_1) as a C kernel (native/linear_packed.c),
+called through ctypes: the packed rows are read in place, activations in float32."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tessellm.plugin_api import KernelQuery, PackedWeight
+from tessellm_cpu.native_build import build_library
+
+SOURCE = Path(__file__).with_name("native") / "linear_packed.c"
+SUPPORTED_TYPES = frozenset({2, 3, 8})  # GGML Q4_0, Q4_1, Q8_0
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class NativePackedLinear:
+    def __init__(self) -> None:
+        self._fn = build_library(SOURCE).linear_packed_f32
+        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(query: KernelQuery) -> bool:
+        return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and query.dim("qtype") in SUPPORTED_TYPES)
+
+    def __call__(self, x: torch.Tensor, weight: PackedWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.format.ggml_type not in SUPPORTED_TYPES:
+            raise TypeError(f"native packed linear does not read {weight.format.name}")
+        data = weight.data
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("native packed linear needs contiguous packed rows on the CPU")
+        xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+        n, k = weight.shape
+        if xf.shape[-1] != k:
+            raise ValueError(f"x has {xf.shape[-1]} features, the weight expects {k}")
+        bf = None if bias is None else bias.float().contiguous()
+        out = torch.empty((xf.shape[0], n), dtype=torch.float32)
+        rc = self._fn(xf.data_ptr(), xf.shape[0], k, data.data_ptr(), n,
+                      weight.format.ggml_type, 0 if bf is None else bf.data_ptr(),
+                      out.data_ptr())
+        if rc == 2:
+            raise MemoryError("native packed linear could not allocate its scratch buffer")
+        if rc != 0:
+            raise ValueError(f"native packed linear refused {weight.format.name} with K={k}")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
