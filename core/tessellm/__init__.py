@@ -1,7 +1,7 @@
 """tessellm: a hardware-neutral LLM inference engine with device plugins."""
 __version__ = "0.1.0"
 
-from tessellm.llm import LLM, RequestOutput  # noqa: E402
+from tessellm.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
 from tessellm.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

@@ -8,11 +8,12 @@ from tessellm.cli.main import main
 
 
 def test_generate_on_the_demo_model_says_it_is_untrained(capsys):
-    assert main(["generate", "--prompt", "Hello", "--max-tokens", "5", "--device", "cpu"]) == 0
+    assert main(["generate", "--model", "demo", "--prompt", "Hello", "--max-tokens", "5",
+                 "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
     assert "untrained" in err
     from tessellm import LLM, SamplingParams
-    offline = LLM(None, device="cpu", load_progress=False).generate(
+    offline = LLM("demo", device="cpu", load_progress=False).generate(
         ["Hello"], SamplingParams(max_tokens=5, temperature=0.0))[0]
     assert len(offline.token_ids) == 5
     assert out == offline.text + "\n"  # the CLI prints the greedy text (byte-level gibberish)

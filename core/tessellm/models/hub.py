@@ -220,6 +220,9 @@ def _hub_errors(repo_id: str, revision: str | None, filename: str | None,
         yield
     except ModelLoadError:
         raise
+    except hf.IncompleteSnapshotError as exc:  # before LocalEntryNotFoundError: it is one
+        raise ModelLoadError(f"the cached snapshot of {where} in {hub_cache_dir()} is "
+                             f"incomplete: {exc}") from exc
     except hf.LocalEntryNotFoundError as exc:  # before EntryNotFoundError: it is one
         if offline:
             msg = (f"{where} is not in the local Hugging Face cache ({hub_cache_dir()}) and "

@@ -12,18 +12,20 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tessellm.engine.async_engine import AsyncEngine, RequestStream
+from tessellm.engine.chat_template import encode_chat
 from tessellm.models.source import ModelSource
 from tessellm.sampling_params import SamplingParams
-from tessellm.server.errors import APIError, bad_request
+from tessellm.server.errors import APIError
 from tessellm.server.logprobs import TokenTexts
 from tessellm.server.metrics import ServerMetrics
 from tessellm.server.server_config import ServerConfig
 
-NO_CHAT_TEMPLATE = ("this model has no chat template; start the server with "
-                    "--chat-template FILE (a Jinja template) or use /v1/completions")
+NO_CHAT_TEMPLATE_HINT = ("start the server with --chat-template FILE (a Jinja template) or "
+                         "use /v1/completions")
 
 
 def model_aliases(model_option: str | None, source: ModelSource) -> frozenset[str]:
@@ -74,24 +76,11 @@ class ServerState:
         return list(await self._off_loop(self.tokenizer.encode, text))
 
     async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages -> the chat template's text (with the generation prompt) -> token ids.
-        The template writes its own special tokens, so none are added on top."""
-        if self.chat_template is None:
-            raise bad_request(NO_CHAT_TEMPLATE, "messages")
-
-        def render() -> list[int]:
-            text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=True)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-        try:
-            return await self._off_loop(render)
-        except APIError:
-            raise
-        except Exception as e:  # a template raising on these messages: the client's to fix
-            raise bad_request(f"the chat template failed on these messages: "
-                              f"{type(e).__name__}: {e}", "messages") from None
+        """Messages -> the chat template's text (with the generation prompt) -> token ids,
+        exactly as the offline LLM.chat does (no special tokens added on top)."""
+        render = partial(encode_chat, self.tokenizer, messages, self.chat_template,
+                         hint=NO_CHAT_TEMPLATE_HINT)
+        return (await self._off_loop(render))[1]
 
     def submit(self, request_id: str, groups: Sequence[tuple[list[int], SamplingParams, int]],
                stop: list[str], priority: int = 0) -> list[RequestStream]:
