@@ -14,8 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,8 @@ import torch
 
 from hf_fixtures import (CASES, GPT2_GGUF, STORIES_260K, build_hf_model,
                          gpt2_tokenizer_from_gguf, save_model_dir)
+from logits_probe import prefill_logits_and_token
 from tessellm import LLM, SamplingParams
-from tessellm.engine.sampler import SampleRequest, SamplerOutput
 
 PROMPTS = (
     "Hello, my name is",
@@ -101,33 +100,6 @@ def built(models: dict[str, Built], name: str, factory: pytest.TempPathFactory) 
 def model(request: pytest.FixtureRequest, models: dict[str, Built],
           tmp_path_factory: pytest.TempPathFactory) -> Built:
     return built(models, request.param, tmp_path_factory)
-
-
-@contextmanager
-def recorded_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
-    """Every logits batch the sampler receives, in call order, copied."""
-    seen: list[torch.Tensor] = []
-    sampler = llm.engine.runner.sampler
-
-    def record(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
-        seen.append(logits.detach().clone())
-        return sampler(logits, rows)
-
-    llm.engine.runner.sampler = record
-    try:
-        yield seen
-    finally:
-        llm.engine.runner.sampler = sampler
-
-
-def prefill_logits_and_token(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, int]:
-    """tessellm's logits [vocab] at the last position of `ids` (in the engine's dtype) and the
-    greedy token the engine sampled from them."""
-    with recorded_logits(llm) as seen:
-        out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0,
-                                                 ignore_eos=True))[0]
-    assert len(seen) == 1 and seen[0].shape[0] == 1, [tuple(t.shape) for t in seen]
-    return seen[0][0], out.token_ids[0]
 
 
 @torch.inference_mode()

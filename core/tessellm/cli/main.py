@@ -182,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+    # A server logs what it loaded (model, weight memory, kernels) as vLLM does; one-shot
+    # commands stay quiet unless -v.
+    chatty = a.verbose or a.command == "serve"
+    logging.basicConfig(level=logging.INFO if chatty else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)

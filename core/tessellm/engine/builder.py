@@ -51,12 +51,17 @@ class EngineParts:
     num_kv_blocks: int
     max_model_len: int
     source: ModelSource
-    weight_bytes: int
+    weights: dict[str, torch.Tensor | PackedWeight]  # on the device, by graph name
     host_kv_caches: list[torch.Tensor] = field(default_factory=list)  # swap mode's host pool
 
     @property
     def is_demo(self) -> bool:
         return self.source.is_demo
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as held (packed ones as stored)."""
+        return weight_bytes(self.weights)
 
     @property
     def num_host_kv_blocks(self) -> int:
@@ -194,4 +199,4 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
                  else load_tokenizer(source.path))
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
-                       n_bytes, host_kv_caches)
+                       graph.weights, host_kv_caches)

@@ -1,0 +1,106 @@
+"""Packed weights (Q8_0, Q4_0, Q4_1): the torch quantizers reproduce ggml's bytes, the
+dequantizer reproduces gguf's, and every CPU linear_packed kernel equals dequantize-then-matmul.
+
+Tolerance of the kernels (float32 activations): both sides multiply the same dequantized
+weights (exact in float32: a fp16 scale times a small integer, plus a fp16 offset), so they
+differ only in summation order. With |w| ~ K^-1/2 and x ~ N(0, 1) the outputs are ~N(0, 1), and
+reordering K float32 products changes a sum by at most ~K * 2^-24 * sum|w x| ~ 1e-6 for these
+K: atol 1e-5 gives 10x margin. bfloat16 activations are converted to float32 by the native
+kernel and rounded once at the end (one bf16 ulp, 2^-8 relative), while dequantize-then-matmul
+rounds the weights to bf16 first: rtol 1.6e-2, atol 5e-2 (the profiler's bf16 tolerance).
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from tessellm_cpu.kernels import cpu_kernels
+
+from tessellm.kernels.reference import embedding_packed, linear_packed
+from tessellm.quant.formats import (PACKED_FORMATS, PackedWeight, concat_rows, dequantize,
+                                    quantize)
+
+FORMATS = list(PACKED_FORMATS.values())
+IDS = [f.name for f in FORMATS]
+KERNELS = [k for k in cpu_kernels("cpu") if k.op == "linear_packed"]
+# (M, N, K): K = 96 and 608 are not multiples of 256 (only of the 32-weight block); odd N.
+SHAPES = [(1, 37, 96), (64, 37, 96), (1, 61, 608), (64, 61, 608), (3, 1, 32), (9, 129, 256)]
+
+
+def _weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn((n, k), generator=g) * k ** -0.5
+    w[0, :32] = 0.0                         # an all-zero block: scale 0, no division by zero
+    if n > 1:
+        w[1, :32] = torch.linspace(-1, 1, 32)  # values on rounding boundaries
+    return w
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_quantize_reproduces_ggml_bytes_and_dequantize_gguf_values(fmt) -> None:
+    w = _weights(37, 96)
+    kind = gguf.GGMLQuantizationType(fmt.ggml_type)
+    theirs = gguf_quantize(w.numpy(), kind)
+    ours = quantize(w, fmt)
+    assert ours.shape == (37, 96) and ours.data.dtype == torch.uint8
+    np.testing.assert_array_equal(ours.data.numpy(), theirs)
+    np.testing.assert_array_equal(dequantize(ours, torch.float32).numpy(),
+                                  gguf_dequantize(theirs, kind))
+    # the error is what the format promises: half a step of the block's scale (a whole step
+    # for Q4_0, whose 16 levels -8..7 clip the extreme of the sign opposite to the block's max)
+    step = {"Q8_0": 1 / 127 / 2, "Q4_0": 1 / 8, "Q4_1": 1 / 15}[fmt.name]
+    err = (dequantize(ours, torch.float32) - w).abs().reshape(37, 3, 32)
+    scale = w.reshape(37, 3, 32).abs().amax(-1, keepdim=True)
+    assert (err <= scale * step + 1e-3 * scale + 1e-7).all()
+
+
+def test_packed_weight_rejects_bad_layouts() -> None:
+    good = quantize(_weights(4, 64), PACKED_FORMATS[8])
+    with pytest.raises(ValueError, match="bytes"):
+        PackedWeight(good.data[:, :-1].contiguous(), good.format, 64, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.zeros(4, 40), PACKED_FORMATS[8])
+    with pytest.raises(ValueError, match="one format"):
+        concat_rows([good, quantize(_weights(4, 64), PACKED_FORMATS[2])])
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=[k.name for k in KERNELS])
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_kernel_equals_dequantize_then_matmul(kernel, fmt, m: int, n: int, k: int,
+                                              bias: bool) -> None:
+    w = quantize(_weights(n, k, seed=m + n), fmt, torch.float32)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn((m, k), generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    expected = x @ dequantize(w, torch.float32).t() + (b if bias else 0)
+    torch.testing.assert_close(kernel.fn(x, w, b), expected, atol=1e-5, rtol=1e-5)
+    xb, bb = x.bfloat16(), (b.bfloat16() if bias else None)
+    wb = PackedWeight(w.data, w.format, k, torch.bfloat16)
+    got = kernel.fn(xb, wb, bb)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, linear_packed(xb, wb, bb), rtol=1.6e-2, atol=5e-2)
+
+
+def test_native_kernel_is_offered_and_reads_views_in_place() -> None:
+    assert "linear_packed_native" in {k.name for k in KERNELS}
+    native = next(k for k in KERNELS if k.name == "linear_packed_native")
+    fused = concat_rows([quantize(_weights(8, 64, s), PACKED_FORMATS[3]) for s in range(3)])
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(native.fn(x, fused), x @ dequantize(fused, torch.float32).t(),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="features"):
+        native.fn(torch.randn(5, 32), fused)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_embedding_rows_dequantize_to_the_compute_dtype(fmt) -> None:
+    w = quantize(_weights(50, 64), fmt, torch.bfloat16)
+    ids = torch.tensor([3, 0, 49, 3])
+    rows = embedding_packed(ids, w)
+    assert rows.dtype == torch.bfloat16 and rows.shape == (4, 64)
+    torch.testing.assert_close(rows, dequantize(w)[ids])

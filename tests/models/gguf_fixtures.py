@@ -1,0 +1,382 @@
+"""GGUF files written from Hugging Face models, as llama.cpp's convert_hf_to_gguf.py writes them.
+
+`write_gguf` converts a transformers model (random weights from hf_fixtures, or any HF model
+directory) of the llama, qwen2, qwen3 or gpt2 family into a GGUF file:
+- tensor names: token_embd, blk.N.attn_q/k/v/output (+ .bias where HF has one),
+  attn_q_norm/attn_k_norm (qwen3), attn_norm, ffn_norm, ffn_gate/up/down, output_norm, output
+  (left out when the head is tied, as the converter does); gpt2: position_embd, the fused
+  attn_qkv [3 * hidden, hidden], attn_output, ffn_up, ffn_down (HF Conv1D weights are
+  [in, out] and get transposed), norms with biases, and `output` (the converter writes the tied
+  head out as its own tensor);
+- the rotary row permutation of Q and K for arch "llama" only (llama.cpp's LlamaModel.permute;
+  qwen2/qwen3 files keep HF's row order);
+- metadata `{arch}.*` as the converter sets it;
+- the tokenizer: every `tokenizer.*` field copied from an existing GGUF (the 512-token
+  SentencePiece vocabulary of stories260K.gguf, or GPT-2's vocab-only GGUF), so the HF model
+  must be built with that vocabulary's size (`vocab_of`).
+`qtype` (Q8_0, Q4_0, Q4_1) stores 2-D matrices whose width is a multiple of 32 quantized by the
+`gguf` package's reference quantizer (llama.cpp's bytes); norms, biases and GPT-2's position
+table stay float32.
+
+Helpers for damaged files (`tensor_type_offset`) and for the engine's logits
+(`recorded_logits`) are here too.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hf_fixtures import GPT2_GGUF, SHARED
+
+STORIES_GGUF = SHARED / "models" / "stories260K" / "stories260K.gguf"
+LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
+ARCHS = LLAMA_FAMILY + ("gpt2",)
+NONE_ID = 2**32 - 1   # llama.cpp's "no such token" special-token id
+
+_LLAMA_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GPT2_LAYER = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+               "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+_GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What an HF config builder (hf_fixtures._llama_config, ...) reads from a tokenizer."""
+
+    size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def default_tokenizer_gguf(arch: str) -> Path:
+    return GPT2_GGUF if arch == "gpt2" else STORIES_GGUF
+
+
+def vocab_of(path: str | Path) -> Vocab:
+    """The size and BOS/EOS ids of a GGUF file's vocabulary (ids outside it read as None)."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    size = len(reader.fields["tokenizer.ggml.tokens"].data)
+
+    def special(key: str) -> int | None:
+        f = reader.fields.get(f"tokenizer.ggml.{key}")
+        value = None if f is None else int(f.contents())
+        return value if value is not None and 0 <= value < size else None
+
+    return Vocab(size, special("bos_token_id"), special("eos_token_id"))
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: HF's half-split rotary rows -> interleaved pairs."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def _is_rotary(gguf_name: str) -> bool:
+    """Q or K of a layer (weight or bias): the tensors llama.cpp permutes for `llama`."""
+    return gguf_name.split(".")[-2] in ("attn_q", "attn_k")
+
+
+def _hparams(config: Any, arch: str) -> dict[str, Any]:
+    if arch == "gpt2":
+        return dict(layers=config.n_layer, hidden=config.n_embd, heads=config.n_head,
+                    ctx=config.n_positions, ffn=config.n_inner or 4 * config.n_embd,
+                    eps=config.layer_norm_epsilon)
+    heads = config.num_attention_heads
+    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+                kv_heads=config.num_key_value_heads or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                ctx=config.max_position_embeddings, ffn=config.intermediate_size,
+                eps=config.rms_norm_eps, rope_theta=float(getattr(config, "rope_theta", None)
+                                                          or config.rope_parameters["rope_theta"]),
+                tied=bool(config.tie_word_embeddings))
+
+
+def gguf_tensors(state_dict: Mapping[str, torch.Tensor], config: Any,
+                 arch: str) -> dict[str, np.ndarray]:
+    """The HF state dict under GGUF names, float32 numpy arrays in the file's row order."""
+    hp = _hparams(config, arch)
+    out: dict[str, np.ndarray] = {}
+    for name, t in state_dict.items():
+        w = t.detach().to(torch.float32).cpu().numpy().copy()
+        gguf_name = _gpt2_name(name, w, out) if arch == "gpt2" else _llama_name(name, hp)
+        if gguf_name is None:
+            continue
+        if arch == "gpt2" and name.endswith(_GPT2_CONV1D):
+            w = np.ascontiguousarray(w.T)   # Conv1D [in, out] -> [out, in]
+        if arch == "llama" and _is_rotary(gguf_name):
+            w = llama_permute(w, hp["heads"] if ".attn_q." in gguf_name else hp["kv_heads"])
+        out[gguf_name] = np.ascontiguousarray(w)
+    if arch == "gpt2" and "output.weight" not in out:
+        out["output.weight"] = out["token_embd.weight"].copy()
+    return out
+
+
+def _llama_name(name: str, hp: dict[str, Any]) -> str | None:
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+    if name in top:
+        return None if name == "lm_head.weight" and hp["tied"] else top[name]
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        layer, stem, suffix = parts[2], ".".join(parts[3:-1]), parts[-1]
+        if stem in _LLAMA_LAYER:
+            return f"blk.{layer}.{_LLAMA_LAYER[stem]}.{suffix}"
+    raise KeyError(f"no GGUF name for HF tensor {name!r}")
+
+
+def _gpt2_name(name: str, w: np.ndarray, out: dict[str, np.ndarray]) -> str | None:
+    name = name.removeprefix("transformer.")
+    if name.endswith((".attn.bias", ".attn.masked_bias")):   # causal-mask buffers
+        return None
+    top = {"wte.weight": "token_embd.weight", "wpe.weight": "position_embd.weight",
+           "ln_f.weight": "output_norm.weight", "ln_f.bias": "output_norm.bias",
+           "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")
+    if parts[0] == "h":
+        layer, stem, suffix = parts[1], ".".join(parts[2:-1]), parts[-1]
+        if stem in _GPT2_LAYER:
+            return f"blk.{layer}.{_GPT2_LAYER[stem]}.{suffix}"
+    raise KeyError(f"no GGUF name for HF tensor {name!r}")
+
+
+def _add_metadata(writer: Any, hp: dict[str, Any], arch: str, vocab_size: int) -> None:
+    writer.add_block_count(hp["layers"])
+    writer.add_context_length(hp["ctx"])
+    writer.add_embedding_length(hp["hidden"])
+    writer.add_feed_forward_length(hp["ffn"])
+    writer.add_head_count(hp["heads"])
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(hp["eps"])
+        return
+    writer.add_head_count_kv(hp["kv_heads"])
+    writer.add_rope_freq_base(hp["rope_theta"])
+    writer.add_layer_norm_rms_eps(hp["eps"])
+    writer.add_rope_dimension_count(hp["head_dim"])
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    writer.add_vocab_size(vocab_size)
+
+
+def copy_tokenizer_fields(writer: Any, source: str | Path) -> int:
+    """Every `tokenizer.*` field of `source` (a GGUF file), with its value type, into
+    `writer`; returns the vocabulary size."""
+    import gguf
+    reader = gguf.GGUFReader(source)
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            array = f.types[0] == gguf.GGUFValueType.ARRAY
+            writer.add_key_value(key, f.contents(), f.types[0], f.types[-1] if array else None)
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def small_bpe_vocab_gguf(out_path: str | Path, size: int = 512,
+                         source: str | Path = GPT2_GGUF) -> Path:
+    """A vocab-only GGUF of GPT-2's byte-level BPE cut to `size` tokens: the 256 byte tokens,
+    the first size - 257 merges (GPT-2's token 256 + i is the result of merge i, so the cut
+    vocabulary is closed under its merges) and <|endoftext|> as the last id (BOS = EOS).
+    Building GPT-2's full 50257-token tokenizer takes seconds; this one is instant."""
+    import gguf
+    reader = gguf.GGUFReader(source)
+    keep = size - 1 - 256
+
+    def items(key: str, index: list[int]) -> list[Any]:
+        # array element i is parts[data[i]]; contents() would decode all 50257 (seconds)
+        f = reader.fields[key]
+        values = [f.parts[f.data[i]] for i in index]
+        if f.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(v).decode("utf-8") for v in values]
+        return [int(v[0]) for v in values]
+
+    eot = len(reader.fields["tokenizer.ggml.tokens"].data) - 1
+    tokens = items("tokenizer.ggml.tokens", list(range(size - 1)) + [eot])
+    merges = items("tokenizer.ggml.merges", list(range(keep)))
+    assert tokens[-1] == "<|endoftext|>", tokens[-1]
+    for i, merge in enumerate(merges):
+        assert merge.replace(" ", "") == tokens[256 + i], (i, merge, tokens[256 + i])
+    writer = gguf.GGUFWriter(out_path, "gpt2")
+    writer.add_tokenizer_model(reader.fields["tokenizer.ggml.model"].contents())
+    writer.add_tokenizer_pre(reader.fields["tokenizer.ggml.pre"].contents())
+    writer.add_token_list(tokens)
+    writer.add_token_types(items("tokenizer.ggml.token_type", list(range(size - 1)) + [eot]))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(size - 1)
+    writer.add_eos_token_id(size - 1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    return Path(out_path)
+
+
+def _quantizable(name: str, w: np.ndarray) -> bool:
+    return (w.ndim == 2 and w.shape[1] % 32 == 0 and name.endswith(".weight")
+            and not name.startswith("position_embd"))
+
+
+def write_gguf(out_path: str | Path, model: torch.nn.Module | str | Path, arch: str, *,
+               qtype: Any = None, omit: Sequence[str] = (),
+               extra_tensors: Mapping[str, np.ndarray] | None = None,
+               tokenizer_gguf: str | Path | None = None,
+               architecture: str | None = None,
+               metadata: Mapping[str, tuple[Any, Any]] | None = None) -> Path:
+    """Write `model` (a transformers model or an HF model directory) as a GGUF file of `arch`.
+
+    qtype: a gguf.GGMLQuantizationType (or its name) for the matrices (see the module
+    docstring); omit: GGUF tensor names of the model to leave out; extra_tensors: GGUF
+    name -> float32 array, added after the model's (replacing one of the same name);
+    tokenizer_gguf: where the tokenizer fields come from (default: by arch);
+    architecture: the `general.architecture` (and metadata prefix) to write, when it should
+    differ from `arch` (an unknown architecture); metadata: key -> (value,
+    GGUFValueType) written over the converter's keys, or key -> None to leave a key out.
+    """
+    import gguf
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if not isinstance(model, torch.nn.Module):
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    if isinstance(qtype, str):
+        qtype = gguf.GGMLQuantizationType[qtype.upper()]
+    tensors = gguf_tensors(model.state_dict(), model.config, arch)
+    unknown_omit = set(omit) - set(tensors)
+    if unknown_omit:
+        raise KeyError(f"omit names tensors the model lacks: {sorted(unknown_omit)}")
+    out_path = Path(out_path)
+    writer = gguf.GGUFWriter(out_path, architecture or arch)
+    writer.add_name(f"tessellm-test-{arch}")
+    hp = _hparams(model.config, arch)
+    vocab = copy_tokenizer_fields(writer, tokenizer_gguf or default_tokenizer_gguf(arch))
+    if vocab != tensors["token_embd.weight"].shape[0]:
+        raise ValueError(f"the tokenizer has {vocab} tokens, the model's embedding "
+                         f"{tensors['token_embd.weight'].shape[0]}")
+    _add_metadata(writer, hp, arch, vocab)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype.name}"] if qtype is not None
+                         else gguf.LlamaFileType.ALL_F32)
+    for key, entry in (metadata or {}).items():
+        if entry is None:
+            writer.kv_data[0].pop(key, None)
+        else:
+            writer.add_key_value(key, *entry)
+    kept = {name: w for name, w in tensors.items() if name not in omit}
+    for name, w in {**kept, **(extra_tensors or {})}.items():
+        if qtype is not None and _quantizable(name, w):
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def dequantized_state_dict(path: str | Path, model: torch.nn.Module,
+                           arch: str) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with every tensor replaced by the numbers stored in the GGUF file
+    at `path` (dequantized by the `gguf` package), mapped back to HF names and layout."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+              for t in reader.tensors}
+    state = model.state_dict()
+    ours = gguf_tensors(state, model.config, arch)
+    hp = _hparams(model.config, arch)
+    out = dict(state)
+    for hf_name, t in state.items():
+        gguf_name = _gpt2_name(hf_name, None, {}) if arch == "gpt2" else _llama_name(hf_name, hp)
+        if gguf_name is None or gguf_name not in stored:
+            continue
+        w = stored[gguf_name].reshape(ours[gguf_name].shape).astype(np.float32)
+        if arch == "llama" and _is_rotary(gguf_name):
+            n_head = hp["heads"] if ".attn_q." in gguf_name else hp["kv_heads"]
+            w = unpermute(w, n_head)
+        if arch == "gpt2" and hf_name.removeprefix("transformer.").endswith(_GPT2_CONV1D):
+            w = w.T
+        out[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).reshape(t.shape)
+    if arch != "gpt2" and hp["tied"]:   # one parameter under two names: load both alike
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of `llama_permute`."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+# --------------------------------------------------------------------------- damaged files
+
+
+def tensor_type_offset(path: str | Path, tensor_name: str) -> int:
+    """The file offset of the uint32 GGML type id in `tensor_name`'s tensor-info entry.
+
+    The entry is: name (uint64 length + bytes), n_dims (uint32), dims (n_dims x uint64),
+    type (uint32), data offset (uint64). It is located by the reader's parsed parts and checked
+    against the type the reader reports."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    (t,) = [t for t in reader.tensors if t.name == tensor_name]
+    parts = t.field.parts
+    assert len(parts) == 6, [p.shape for p in parts]
+    offset = t.field.offset + sum(int(p.nbytes) for p in parts[:4])
+    raw = Path(path).read_bytes()[offset:offset + 4]
+    assert int.from_bytes(raw, "little") == int(t.tensor_type), (raw, t.tensor_type)
+    return offset
+
+
+def patched_copy(src: Path, dst: Path, offset: int, data: bytes) -> Path:
+    raw = bytearray(src.read_bytes())
+    raw[offset:offset + len(data)] = data
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def truncated_copy(src: Path, dst: Path, size: int) -> Path:
+    dst.write_bytes(src.read_bytes()[:size])
+    return dst
+
+
+# --------------------------------------------------------------------------- engine logits
+
+
+@contextmanager
+def recorded_logits(llm: Any) -> Iterator[list[torch.Tensor]]:
+    """Every logits batch the engine's sampler receives, in call order, copied (tessellm has
+    no public logits API; test_hf_parity.py does the same)."""
+    seen: list[torch.Tensor] = []
+    sampler = llm.engine.runner.sampler
+
+    def record(logits: torch.Tensor, rows: Any) -> Any:
+        seen.append(logits.detach().clone())
+        return sampler(logits, rows)
+
+    llm.engine.runner.sampler = record
+    try:
+        yield seen
+    finally:
+        llm.engine.runner.sampler = sampler
