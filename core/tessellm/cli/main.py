@@ -79,6 +79,12 @@ def cmd_bench_throughput(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_latency(a: argparse.Namespace) -> int:
+    from tessellm.cli.bench_latency import bench_latency
+    print(json.dumps(bench_latency(a, engine_options(a))))
+    return 0
+
+
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     import asyncio
 
@@ -162,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--warmup-output-len", type=int, default=4)
     t.set_defaults(func=cmd_bench_throughput)
+    lt = bsub.add_parser("latency", help="one stream: prefill and decode tok/s, W3/W4")
+    _engine_args(lt)
+    lt.add_argument("--input-len", type=int, default=128)
+    lt.add_argument("--output-len", type=int, default=128)
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up run")
+    lt.set_defaults(func=cmd_bench_latency)
     sv = bsub.add_parser("serve", help="online serving against a running server, workload W2")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
     sv.add_argument("--num-prompts", type=int, default=128)

@@ -1,0 +1,73 @@
+"""`tessellm bench latency`: one stream, workloads W3/W4 of ../shared/bench/WORKLOAD.md.
+
+One prompt of input_len ids from numpy.random.default_rng(seed + run).integers(100, high),
+output_len greedy tokens, EOS ignored; prefill tok/s = input_len / time to the first token,
+decode tok/s = tokens after the first / time after the first (as the llama.cpp peer script
+measures). Run 0 warms up (its prompt differs from the timed ones, so nothing is a prefix-cache
+hit); the figures are medians over the timed runs. Also: load seconds, weight bytes as held,
+and the process's resident memory after load.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def resident_bytes() -> int | None:
+    """VmRSS of this process (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def one_stream(llm: Any, ids: list[int], output_len: int) -> dict[str, float]:
+    from tessellm import SamplingParams
+    engine = llm.engine
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    req = engine.add_request(ids, params)
+    while not req.output_token_ids:
+        engine.step()
+    t1 = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    t2 = time.perf_counter()
+    n = len(req.output_token_ids)
+    return {"prefill_tok_per_s": len(ids) / (t1 - t0),
+            "decode_tok_per_s": (n - 1) / (t2 - t1) if n > 1 else 0.0, "wall_s": t2 - t0}
+
+
+def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    from tessellm import LLM
+    options = {"max_num_seqs": 1, "load_progress": False, **options}
+    t0 = time.perf_counter()
+    llm = LLM(a.model, **options)
+    load_s = time.perf_counter() - t0
+    rss = resident_bytes()
+    parts = llm.engine.parts
+    high = min(32000, parts.spec.vocab_size)
+    runs = []
+    for r in range(a.runs + 1):  # run 0 warms up (and profiles the buckets it meets)
+        ids = np.random.default_rng(a.seed + r).integers(100, high, size=a.input_len).tolist()
+        res = one_stream(llm, ids, a.output_len)
+        if r:
+            runs.append(res)
+    med = {k: round(statistics.median(x[k] for x in runs), 2) for k in runs[0]}
+    return {
+        "workload": "W3/W4 one stream", "model": parts.source.name, "device": parts.device.name,
+        "dtype": str(parts.dtype).removeprefix("torch."),
+        "quantization": parts.config.quantization, "threads": torch.get_num_threads(),
+        "in_len": a.input_len, "out_len": a.output_len, "runs": a.runs,
+        "load_s": round(load_s, 2), "weight_bytes": parts.weight_bytes,
+        "rss_after_load_bytes": rss, **med,
+    }
