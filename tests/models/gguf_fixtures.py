@@ -18,13 +18,13 @@ directory) of the llama, qwen2, qwen3 or gpt2 family into a GGUF file:
 `gguf` package's reference quantizer (llama.cpp's bytes); norms, biases and GPT-2's position
 table stay float32.
 
-Helpers for damaged files (`tensor_type_offset`) and for the engine's logits
-(`recorded_logits`) are here too.
+`dequantized_state_dict` gives an HF model the numbers a (quantized) file stores;
+`small_bpe_vocab_gguf` a 512-token cut of GPT-2's vocabulary; `tensor_type_offset`,
+`patched_copy` and `truncated_copy` make damaged files.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,7 @@ def gguf_tensors(state_dict: Mapping[str, torch.Tensor], config: Any,
     out: dict[str, np.ndarray] = {}
     for name, t in state_dict.items():
         w = t.detach().to(torch.float32).cpu().numpy().copy()
-        gguf_name = _gpt2_name(name, w, out) if arch == "gpt2" else _llama_name(name, hp)
+        gguf_name = _gpt2_name(name) if arch == "gpt2" else _llama_name(name, hp)
         if gguf_name is None:
             continue
         if arch == "gpt2" and name.endswith(_GPT2_CONV1D):
@@ -146,7 +146,7 @@ def _llama_name(name: str, hp: dict[str, Any]) -> str | None:
     raise KeyError(f"no GGUF name for HF tensor {name!r}")
 
 
-def _gpt2_name(name: str, w: np.ndarray, out: dict[str, np.ndarray]) -> str | None:
+def _gpt2_name(name: str) -> str | None:
     name = name.removeprefix("transformer.")
     if name.endswith((".attn.bias", ".attn.masked_bias")):   # causal-mask buffers
         return None
@@ -198,7 +198,8 @@ def small_bpe_vocab_gguf(out_path: str | Path, size: int = 512,
     """A vocab-only GGUF of GPT-2's byte-level BPE cut to `size` tokens: the 256 byte tokens,
     the first size - 257 merges (GPT-2's token 256 + i is the result of merge i, so the cut
     vocabulary is closed under its merges) and <|endoftext|> as the last id (BOS = EOS).
-    Building GPT-2's full 50257-token tokenizer takes seconds; this one is instant."""
+    transformers builds GPT-2's full 50257-token tokenizer in seconds, this one at once
+    (reading the source file still takes ~2 s: make it once)."""
     import gguf
     reader = gguf.GGUFReader(source)
     keep = size - 1 - 256
@@ -307,7 +308,7 @@ def dequantized_state_dict(path: str | Path, model: torch.nn.Module,
     hp = _hparams(model.config, arch)
     out = dict(state)
     for hf_name, t in state.items():
-        gguf_name = _gpt2_name(hf_name, None, {}) if arch == "gpt2" else _llama_name(hf_name, hp)
+        gguf_name = _gpt2_name(hf_name) if arch == "gpt2" else _llama_name(hf_name, hp)
         if gguf_name is None or gguf_name not in stored:
             continue
         w = stored[gguf_name].reshape(ours[gguf_name].shape).astype(np.float32)
@@ -359,24 +360,3 @@ def patched_copy(src: Path, dst: Path, offset: int, data: bytes) -> Path:
 def truncated_copy(src: Path, dst: Path, size: int) -> Path:
     dst.write_bytes(src.read_bytes()[:size])
     return dst
-
-
-# --------------------------------------------------------------------------- engine logits
-
-
-@contextmanager
-def recorded_logits(llm: Any) -> Iterator[list[torch.Tensor]]:
-    """Every logits batch the engine's sampler receives, in call order, copied (tessellm has
-    no public logits API; test_hf_parity.py does the same)."""
-    seen: list[torch.Tensor] = []
-    sampler = llm.engine.runner.sampler
-
-    def record(logits: torch.Tensor, rows: Any) -> Any:
-        seen.append(logits.detach().clone())
-        return sampler(logits, rows)
-
-    llm.engine.runner.sampler = record
-    try:
-        yield seen
-    finally:
-        llm.engine.runner.sampler = sampler

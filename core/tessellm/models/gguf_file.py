@@ -33,6 +33,7 @@ _DENSE_TYPES = {0: np.float32, 1: np.float16}   # F32, F16 (BF16 = 30 handled ap
 _BF16 = 30
 
 Weight = torch.Tensor | PackedWeight
+_REQUIRED = object()
 
 
 @dataclass
@@ -60,11 +61,13 @@ def open_gguf(path: str | Path) -> Any:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{p} is not a GGUF file: bad magic {magic!r} (expected b'GGUF')")
+    size = p.stat().st_size
     try:
         reader = gguf.GGUFReader(p, "c")
     except (ValueError, KeyError, IndexError, OverflowError, OSError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {p}: {type(exc).__name__}: {exc}") from exc
-    size = p.stat().st_size
+        # the reader maps every tensor's data as it parses: a short file fails in there
+        raise ModelLoadError(f"cannot read GGUF file {p} ({size} bytes): it is truncated or "
+                             f"damaged: {type(exc).__name__}: {exc}") from exc
     for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"GGUF file {p} is truncated: tensor {t.name!r} needs bytes "
@@ -93,55 +96,72 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     """The HF-style config dict of the file's metadata."""
     a = _architecture(reader)
 
-    def need(key: str) -> Any:
+    def num(key: str, kind: type, default: Any = _REQUIRED) -> Any:
+        """Metadata `{arch}.{key}` as `kind` (int or float); a per-layer array's first value."""
         value = _field(reader, f"{a}.{key}")
         if value is None:
-            raise ModelLoadError(f"GGUF metadata lacks {a}.{key}")
-        return value
+            if default is _REQUIRED:
+                raise ModelLoadError(f"GGUF metadata lacks {a}.{key}")
+            return default
+        if isinstance(value, list) and value:
+            value = value[0]
+        if isinstance(value, (str, bytes, list, bool)) or not isinstance(value, (int, float)):
+            raise ModelLoadError(f"GGUF metadata {a}.{key} must be a number, got {value!r}")
+        return kind(value)
 
-    tensors = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{a}.vocab_size") or (len(tokens.data) if tokens else None)
+    embd = tensors.get("token_embd.weight")
+    # the embedding's rows are the model's vocabulary (they may exceed the tokenizer's)
+    vocab = (int(embd.shape[-1]) if embd is not None and len(embd.shape) == 2
+             else num("vocab_size", int, len(tokens.data) if tokens else None))
     if vocab is None:
         raise ModelLoadError(f"GGUF metadata lacks {a}.vocab_size and tokenizer.ggml.tokens")
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = _field(reader, f"{a}.attention.head_count_kv")
-    kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads or heads)
-    common = {"vocab_size": int(vocab), "torch_dtype": "float32",
-              "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-              "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
+    hidden, heads = num("embedding_length", int), num("attention.head_count", int)
+    kv_heads = num("attention.head_count_kv", int, heads)
+    layers = num("block_count", int)
+    for key, value in (("embedding_length", hidden), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads), ("block_count", layers)):
+        if value < 1:
+            raise ModelLoadError(f"GGUF metadata {a}.{key} must be >= 1, got {value}")
+    if heads % kv_heads:
+        raise ModelLoadError(f"GGUF metadata {a}.attention.head_count ({heads}) is not a "
+                             f"multiple of {a}.attention.head_count_kv ({kv_heads})")
+    special = {k: v for k in ("bos_token_id", "eos_token_id")
+               if isinstance(v := _field(reader, f"tokenizer.ggml.{k}"), int) and 0 <= v < vocab}
+    common = {"vocab_size": vocab, "torch_dtype": "float32", **special}
     if a == "gpt2":
         return {"architectures": [GGUF_ARCHITECTURES[a]], "n_embd": hidden,
-                "n_layer": int(need("block_count")), "n_head": heads,
-                "n_positions": int(need("context_length")),
-                "n_inner": int(need("feed_forward_length")),
-                "layer_norm_epsilon": float(need("attention.layer_norm_epsilon")),
+                "n_layer": layers, "n_head": heads,
+                "n_positions": num("context_length", int),
+                "n_inner": num("feed_forward_length", int),
+                "layer_norm_epsilon": num("attention.layer_norm_epsilon", float),
                 "activation_function": "gelu_new", **common}
-    head_dim = int(_field(reader, f"{a}.attention.key_length") or hidden // heads)
-    rope_dims = int(_field(reader, f"{a}.rope.dimension_count") or head_dim)
+    head_dim = num("attention.key_length", int, hidden // heads)
+    rope_dims = num("rope.dimension_count", int, head_dim)
     if rope_dims != head_dim:
         raise UnsupportedModelError(f"GGUF {a}: partial rotary ({rope_dims} of {head_dim} "
                                     "dims) is not supported")
     config = {
         "architectures": [GGUF_ARCHITECTURES[a]], "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
+        "num_hidden_layers": layers, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "intermediate_size": int(need("feed_forward_length")),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(need("context_length")),
-        "rope_theta": float(_field(reader, f"{a}.rope.freq_base") or 10000.0),
+        "intermediate_size": num("feed_forward_length", int),
+        "rms_norm_eps": num("attention.layer_norm_rms_epsilon", float),
+        "max_position_embeddings": num("context_length", int),
+        "rope_theta": num("rope.freq_base", float, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu", **common}
     window = _field(reader, f"{a}.attention.sliding_window")
     if window:
-        config["sliding_window"] = int(window)
+        config["sliding_window"] = num("attention.sliding_window", int)
     scaling = _field(reader, f"{a}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise UnsupportedModelError(f"GGUF {a}: rope scaling {scaling!r} is not supported "
                                         "(supported: none, linear)")
         config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": float(need("rope.scaling.factor"))}
+                                  "factor": num("rope.scaling.factor", float)}
     if "rope_freqs.weight" in tensors:
         raise UnsupportedModelError(f"GGUF {a}: per-frequency rope factors (rope_freqs, "
                                     "Llama 3.1 style rope scaling) are not supported yet")
@@ -239,6 +259,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGU
     if unknown:
         raise ModelLoadError(f"GGUF file {path} has tensors tessellm does not know for {arch}: "
                              f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    _check_shapes(arch, config, by_name, path)
     counts: tuple[Counter, Counter] = (Counter(), Counter())
     weights: dict[str, Weight] = {}
     for src, t in by_name.items():
@@ -258,6 +279,44 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGU
         _split_gpt2_qkv(weights, num_layers)
     template = _field(reader, "tokenizer.chat_template")
     return GGUFModel(Path(path), config, weights, template, *counts)
+
+
+def _expected_shapes(arch: str, c: dict[str, Any], vocab: int) -> dict[str, tuple[int, ...]]:
+    """GGUF stem ("blk.{i}.attn_q") -> the [rows, cols] (or [width]) its weight must have."""
+    if arch == "gpt2":
+        h, inter = c["n_embd"], c["n_inner"]
+        return {"token_embd": (vocab, h), "position_embd": (c["n_positions"], h),
+                "output_norm": (h,), "output": (vocab, h), "blk.{i}.attn_norm": (h,),
+                "blk.{i}.attn_qkv": (3 * h, h), "blk.{i}.attn_output": (h, h),
+                "blk.{i}.ffn_norm": (h,), "blk.{i}.ffn_up": (inter, h),
+                "blk.{i}.ffn_down": (h, inter)}
+    h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    return {"token_embd": (vocab, h), "output_norm": (h,), "output": (vocab, h),
+            "blk.{i}.attn_norm": (h,), "blk.{i}.attn_q": (q, h), "blk.{i}.attn_k": (kv, h),
+            "blk.{i}.attn_v": (kv, h), "blk.{i}.attn_output": (h, q),
+            "blk.{i}.attn_q_norm": (hd,), "blk.{i}.attn_k_norm": (hd,),
+            "blk.{i}.ffn_norm": (h,), "blk.{i}.ffn_gate": (inter, h),
+            "blk.{i}.ffn_up": (inter, h), "blk.{i}.ffn_down": (h, inter)}
+
+
+def _check_shapes(arch: str, config: dict[str, Any], tensors: dict[str, Any],
+                  path: str | Path) -> None:
+    """Every tensor's shape (from its header, before any data is read) agrees with the
+    metadata."""
+    expected = _expected_shapes(arch, config, config["vocab_size"])
+    for name, t in tensors.items():
+        stem, _, suffix = re.sub(r"^blk\.\d+\.", "blk.{i}.", name).rpartition(".")
+        want = expected.get(stem)
+        if want is None:
+            continue
+        want = want[:1] if suffix == "bias" else want
+        got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dim first
+        if got != want:
+            raise ModelLoadError(
+                f"GGUF file {path}: tensor {name!r} has shape {list(got)}, but the metadata "
+                f"(embedding_length, attention.head_count, attention.head_count_kv, "
+                f"key_length, feed_forward_length) implies {list(want)}")
 
 
 def _check_required(arch: str, config: dict[str, Any], weights: dict[str, Weight],

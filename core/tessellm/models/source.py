@@ -87,6 +87,8 @@ def resolve_model_source(model: str | None, *, revision: str | None = None,
             raise ModelLoadError(f"{model!r} is a file but not a .gguf file; pass a GGUF file "
                                  "or a Hugging Face model directory")
         return ModelSource("gguf", path, path.stem)
+    if is_gguf_path(model):
+        raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     from tessellm.models.hub import looks_like_repo_id, resolve_hub_model
     if looks_like_repo_id(model):
         local = resolve_hub_model(model, revision=revision, gguf_file=gguf_file)
