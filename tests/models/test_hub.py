@@ -257,3 +257,20 @@ def test_offline_set_after_import_still_keeps_it_offline(hf_cache, monkeypatch):
     assert hub.hub_offline()
     snapshot = cache_repo(hf_cache, "tiny/stories", stories_files())
     assert resolve_hub_model("tiny/stories") == snapshot
+
+
+def test_llm_takes_repo_ids_directly(hf_cache):
+    """LLM("org/name") and a GGUF repo with gguf_file, through tessellm.models.source."""
+    from tessellm import LLM, SamplingParams
+
+    cache_repo(hf_cache, "tiny/stories", stories_files())
+    gguf = STORIES.parent / "stories260K" / "stories260K.gguf"
+    cache_repo(hf_cache, "tiny/stories-GGUF", {"stories260K.gguf": gguf})
+    params = SamplingParams(max_tokens=8, temperature=0)
+    direct = LLM(str(STORIES), device="cpu", dtype="float32", load_progress=False)
+    expected = direct.generate(["Once upon a time"], params)[0].token_ids
+    for model, extra in (("tiny/stories", {}),
+                         ("tiny/stories-GGUF", {"gguf_file": "stories260K.gguf"})):
+        llm = LLM(model, device="cpu", dtype="float32", load_progress=False, **extra)
+        assert llm.engine.parts.source.name == model  # the id the server reports
+        assert llm.generate(["Once upon a time"], params)[0].token_ids == expected
