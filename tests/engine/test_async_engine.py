@@ -1,4 +1,6 @@
-"""AsyncEngine: engine thread + asyncio streams (stories260K, float32, CPU)."""
+"""AsyncEngine: the asyncio front end over an engine core (here on a thread of the test
+process, over inproc sockets: the same loop and messages as the server's core process;
+stories260K, float32, CPU)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +9,7 @@ import pytest
 
 from tessellm import LLM, SamplingParams
 from tessellm.engine.async_engine import AsyncEngine, QueueFullError
+from tessellm.engine.core_client import EngineCoreClient
 from tessellm.errors import InvalidRequestError
 
 PROMPTS = ["Once upon a time", "The dog", "Lily and Ben", "One day, a little bird",
@@ -17,6 +20,14 @@ PROMPTS = ["Once upon a time", "The dog", "Lily and Ben", "One day, a little bir
 def llm(stories_dir):
     return LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False,
                max_num_seqs=4, max_num_batched_tokens=32)
+
+
+async def start_engine(llm, **options) -> AsyncEngine:
+    core = EngineCoreClient.in_thread(llm.engine)
+    await core.wait_ready()
+    engine = AsyncEngine(core, llm.tokenizer, **options)
+    engine.start()
+    return engine
 
 
 async def _collect(stream):
@@ -33,8 +44,7 @@ def test_concurrent_streams_equal_offline_generate(llm):
     offline = llm.generate(PROMPTS, params)
 
     async def main():
-        engine = AsyncEngine(llm.engine)
-        engine.start()
+        engine = await start_engine(llm)
         streams = [engine.add_request(llm.encode(p), params, f"r{i}")
                    for i, p in enumerate(PROMPTS)]
         results = await asyncio.gather(*(_collect(s) for s in streams))
@@ -49,8 +59,7 @@ def test_concurrent_streams_equal_offline_generate(llm):
 
 def test_closing_a_stream_aborts_and_frees_blocks(llm):
     async def main():
-        engine = AsyncEngine(llm.engine)
-        engine.start()
+        engine = await start_engine(llm)
         stream = engine.add_request(llm.encode("Once upon a time"),
                                     SamplingParams(max_tokens=400, temperature=0.0), "long")
         got = 0
@@ -76,8 +85,7 @@ def test_stop_string_trims_text_and_finishes(llm):
     assert "Lily" in full
 
     async def main():
-        engine = AsyncEngine(llm.engine)
-        engine.start()
+        engine = await start_engine(llm)
         result = await _collect(engine.add_request(llm.encode("Once upon a time"), params, "s",
                                                    stop=["Lily"]))
         await engine.shutdown()
@@ -90,7 +98,7 @@ def test_stop_string_trims_text_and_finishes(llm):
 
 def test_queue_full_and_invalid_requests_are_refused(llm):
     async def main():
-        engine = AsyncEngine(llm.engine, max_waiting=2)
+        engine = await start_engine(llm, max_waiting=2)
         params = SamplingParams(max_tokens=4, temperature=0.0)
         first = [engine.add_request([1, 2, 3], params, f"q{i}") for i in range(2)]
         with pytest.raises(QueueFullError):
@@ -99,7 +107,7 @@ def test_queue_full_and_invalid_requests_are_refused(llm):
             engine.add_request([], params, "empty")
         with pytest.raises(InvalidRequestError, match="already in flight"):
             engine.add_request([1], params, "q0")
-        engine.start()  # the queued ones still complete
+        # the accepted ones still complete
         results = await asyncio.gather(*(_collect(s) for s in first))
         await engine.shutdown()
         return results
@@ -108,43 +116,28 @@ def test_queue_full_and_invalid_requests_are_refused(llm):
         assert len(ids) == 4 and last.finished
 
 
-def test_output_processing_is_pipelined_with_engine_steps(llm, monkeypatch):
-    """Detokenization runs on its own thread: while it is blocked, the engine thread keeps
-    stepping (here: finishes the whole request); the stream then gets every delta in order."""
-    import threading
-
-    from tessellm.engine.output_processor import OutputProcessor
-
-    release = threading.Event()
-    threads = set()
-    real_process = OutputProcessor.process
-
-    def blocked_process(self, raw):
-        threads.add(threading.current_thread().name)
-        release.wait(10)
-        return real_process(self, raw)
-
-    monkeypatch.setattr(OutputProcessor, "process", blocked_process)
+def test_the_core_steps_while_the_event_loop_is_busy(llm):
+    """The step loop does not run on the event loop: while the loop is blocked (a slow
+    handler, detokenization), the core finishes the request; the stream then gets every
+    delta in order."""
+    import time
     params = SamplingParams(max_tokens=12, temperature=0.0)
     offline = llm.generate(["Once upon a time"], params)[0]
 
     async def main():
-        engine = AsyncEngine(llm.engine)
-        engine.start()
+        engine = await start_engine(llm)
+        steps0 = llm.engine.stats.num_steps
         stream = engine.add_request(llm.encode("Once upon a time"), params, "p")
-        for _ in range(500):
-            if not llm.engine.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
-        finished_while_blocked = not llm.engine.has_unfinished()
-        release.set()
+        deadline = time.monotonic() + 10
+        # 12 tokens: one prefill step and 11 decode steps, all while the loop is blocked
+        while llm.engine.has_unfinished() or llm.engine.stats.num_steps < steps0 + 12:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # blocks the event loop on purpose
         result = await _collect(stream)
         await engine.shutdown()
-        return finished_while_blocked, result
+        return result
 
-    finished_while_blocked, (text, ids, last) = asyncio.run(main())
-    assert finished_while_blocked
-    assert threads == {"tessellm-outputs"}
+    text, ids, last = asyncio.run(main())
     assert ids == offline.token_ids and text == offline.text and last.finished
 
 
@@ -156,8 +149,7 @@ def test_request_group_streams_each_sample_and_shares_the_prompt(llm):
     prompt_tokens_before = llm.engine.stats.num_prompt_tokens
 
     async def main():
-        engine = AsyncEngine(llm.engine)
-        engine.start()
+        engine = await start_engine(llm)
         streams = engine.add_request_group(llm.encode("Once upon a time"), params, 2, "g")
         results = await asyncio.gather(*(_collect(s) for s in streams))
         await engine.shutdown()

@@ -24,7 +24,7 @@ def server(tmp_path_factory, stories_dir):
                         ["--model", str(stories_dir), "--dtype", "float32",
                          "--kernel-selection", "first", "--threads", "1", "--max-num-seqs", "1",
                          "--max-queue", "1", "--max-body-bytes", "4096", "--max-n", "2",
-                         "--drain-timeout", "0.5"],
+                         "--drain-timeout", "0.5", "--enable-test-hooks"],
                         env={"TESSELLM_API_KEY": KEY, "TESSELLM_TEST_STEP_DELAY_S": "0.02"}) as s:
         yield s
 

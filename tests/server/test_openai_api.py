@@ -1,9 +1,12 @@
 """The official `openai` client, unmodified, against `tessellm serve` with stories260K."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from openai import OpenAI
-from server_fixtures import CHAT_TEMPLATE, offline_text, request, running_server, wait_idle
+from server_fixtures import (CHAT_TEMPLATE, offline_text, request, running_server, sse_events,
+                             wait_idle)
 from tessellm import SamplingParams
 
 PROMPT = "Once upon a time"
@@ -163,13 +166,31 @@ def test_request_id_is_echoed_and_validated(server):
                                     {"prompt": PROMPT, "max_tokens": 2},
                                     headers={"X-Request-Id": "my-trace-42"})
     assert status == 200 and headers["x-request-id"] == "my-trace-42"
-    assert body["id"] == "my-trace-42"
+    assert body["id"].startswith("cmpl-")  # the server's own id, never the client's
+    assert "my-trace-42" in server.log()   # logged beside it
     status, headers, _ = request(server, "GET", "/v1/models")
     assert headers["x-request-id"].startswith("cmpl-")
     for bad in ("x" * 129, "tab\there"):
         status, headers, body = request(server, "GET", "/v1/models",
                                         headers={"X-Request-Id": bad})
         assert status == 400 and body["error"]["param"] == "X-Request-Id"
+
+
+def test_concurrent_requests_may_share_a_client_request_id(server):
+    """The client's X-Request-Id is echoed, never the engine's id: three concurrent streams
+    with the same one all succeed (each with its own response id)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(_):
+        return request(server, "POST", "/v1/completions",
+                       {"prompt": PROMPT, "max_tokens": 12, "stream": True},
+                       headers={"X-Request-Id": "same-id"})
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(one, range(3)))
+    assert [a[0] for a in answers] == [200, 200, 200]
+    assert all(h["x-request-id"] == "same-id" for _, h, _ in answers)
+    ids = {json.loads(sse_events(body)[0])["id"] for _, _, body in answers}
+    assert len(ids) == 3 and all("[DONE]" in body for _, _, body in answers)
 
 
 def test_nothing_is_left_running(server):

@@ -29,7 +29,7 @@ def server(tmp_path_factory, stories_dir, chat_template_file):
     with running_server(tmp_path_factory.mktemp("server-robust"),
                         ["--model", str(stories_dir), "--dtype", "float32",
                          "--kernel-selection", "first", "--threads", "1", "--chat-template",
-                         str(chat_template_file)],
+                         str(chat_template_file), "--enable-test-hooks"],
                         env={"TESSELLM_TEST_FAIL_STEP_ON_PROMPT": FAIL_MARK}) as s:
         yield s
 

@@ -110,7 +110,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
     engine_config, server_config = load_configs(a.config, overrides)
-    return run_server(engine_config, server_config)
+    return run_server(engine_config, server_config, enable_test_hooks=a.enable_test_hooks)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kernels)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (SmolLM2-135M-Instruct without --model)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server "
+                       "(SmolLM2-135M-Instruct without --model)")
     _engine_args(s)
     s.set_defaults(device=None, dtype=None)  # unset flags leave the --config file's values
     s.add_argument("--config", default=None, help="YAML file: engine and server options "
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, help="Jinja chat template file")
     s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests may finish after SIGTERM")
+    # test-only: reads the TESSELLM_TEST_* fault/delay hooks (tessellm.engine.test_hooks)
+    s.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

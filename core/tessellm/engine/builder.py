@@ -22,9 +22,9 @@ from tessellm.kernels.registry import KernelRegistry
 from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
 from tessellm.models.demo import DEMO_NOTICE
-from tessellm.models.gguf_file import load_gguf_tokenizer
-from tessellm.models.hf_files import eos_token_ids, load_tokenizer
-from tessellm.models.loader import checkpoint_dtype, load_model, read_source_config
+from tessellm.models.hf_files import eos_token_ids
+from tessellm.models.loader import (checkpoint_dtype, load_model, load_source_tokenizer,
+                                    read_source_config)
 from tessellm.models.source import ModelSource, resolve_model_source
 from tessellm.models.spec import ModelSpec
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
@@ -195,8 +195,7 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     host_kv_caches = [host.allocate((2, num_host, spec.num_kv_heads, config.block_size,
                                      spec.head_dim), dtype)
                       for _ in range(spec.num_layers)] if num_host else []
-    tokenizer = (load_gguf_tokenizer(source.path) if source.kind == "gguf"
-                 else load_tokenizer(source.path))
+    tokenizer = load_source_tokenizer(source)
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner
+from tessellm.engine.request_limits import RequestLimits
 from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.request import FinishReason, Request
@@ -55,33 +56,15 @@ class LLMEngine:
                                   math.ceil(self.max_model_len / c.block_size),
                                   parts.host_kv_caches)
         self.stats = StepStats()
+        self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
+                                    c.block_size, self.kv.num_blocks)
         self._ids = itertools.count()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0) -> None:
         """Raise InvalidRequestError if the request can never run here. Reads only immutable
         configuration, so the async front end may call it from its own thread."""
-        levels = self.parts.config.priority_levels
-        if not isinstance(priority, int) or isinstance(priority, bool) \
-                or not 0 <= priority < levels:
-            raise InvalidRequestError(
-                f"priority must be an integer in 0..{levels - 1} (0 is the most urgent), "
-                f"got {priority!r}", "priority")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.parts.spec.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
-                f"{self.max_model_len} tokens and at least one must be left to generate")
-        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        if self.kv.num_blocks_needed(total) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"the request needs {self.kv.num_blocks_needed(total)} KV blocks but the pool "
-                f"has {self.kv.num_blocks}")
+        self.limits.validate(prompt_token_ids, params, priority)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,

@@ -1,13 +1,13 @@
-"""Cumulative wall time per engine stage (schedule, prepare_inputs, execute, sample, update,
-detokenize): the seeds' "time share per CPU stage". Written by the engine thread only;
-readers (metrics) take a snapshot."""
+"""Cumulative wall time per engine stage (schedule, prepare_inputs, execute, sample, update):
+the seeds' "time share per CPU stage". Written by the engine loop only; readers take a
+snapshot. (Detokenization runs in the server's front end, which counts it itself.)"""
 from __future__ import annotations
 
 import threading
 
 
 class StageTimes:
-    STAGES = ("schedule", "prepare_inputs", "execute", "sample", "update", "detokenize")
+    STAGES = ("schedule", "prepare_inputs", "execute", "sample", "update")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

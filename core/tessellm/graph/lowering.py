@@ -42,6 +42,14 @@ class KernelSite:
     def __call__(self, *args: Any) -> Any:
         return self.fn_for(args[0].shape[0])(*args)
 
+    def choose(self, num_tokens: int) -> tuple[str, str]:
+        """Select (profiling if needed) the kernel of a bucket now: (bucket key, kernel)."""
+        bucket = token_bucket(num_tokens)
+        query = KernelQuery(self.op, self.dtype, bucket, self.dims)
+        kernel = self.selector.select(query)
+        self._by_bucket.setdefault(bucket, kernel.fn)
+        return query.bucket_key, kernel.name
+
 
 class AttentionSite:
     """write_kv_cache for all tokens, then decode and prefill kernels on their rows."""
@@ -68,6 +76,25 @@ class AttentionSite:
         nd = meta.num_decode_tokens
         return torch.cat((self.decode(q[:nd], kv_cache, dec, scale),
                           self.prefill(q[nd:], kv_cache, pre, scale)))
+
+
+def select_all_kernels(plan: ExecutionPlan, num_tokens: int, max_seqs: int) -> dict[str, str]:
+    """Choose every site's kernel for a step of `num_tokens` tokens (decode attention for at
+    most `max_seqs` sequences); returns {bucket key: kernel name}."""
+    choices: dict[str, str] = {}
+    for ins in plan.instructions:
+        site = ins.fn
+        if isinstance(site, KernelSite):
+            sites = [(site, num_tokens)]
+        elif isinstance(site, AttentionSite):
+            sites = [(site.write, num_tokens), (site.prefill, num_tokens),
+                     (site.decode, min(num_tokens, max_seqs))]
+        else:
+            continue
+        for s, n in sites:
+            key, name = s.choose(n)
+            choices[key] = name
+    return choices
 
 
 def _bind(node: fx.Node, dtype: torch.dtype, selector: KernelSelector):

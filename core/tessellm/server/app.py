@@ -1,8 +1,9 @@
 """The aiohttp Application: routes and middlewares.
 
 Middlewares, outermost first:
-  1. context: the request id (client's X-Request-Id if valid, else `cmpl-<uuid>`), echoed on
-     every answer; every error, expected or not, becomes an OpenAI error object here;
+  1. context: the server's own request id (`cmpl-<uuid>`, the engine's id); the client's
+     X-Request-Id, when valid, is logged beside it and echoed on every answer (else the
+     server's id is); every error, expected or not, becomes an OpenAI error object here;
   2. guard: while draining (SIGTERM) /v1/* answers 503; with an API key, /v1/* requires
      `Authorization: Bearer <key>` (compared in constant time) or answers 401.
 /health, /metrics and /v1/models are cheap and never touch the engine's queue.
@@ -21,10 +22,12 @@ from tessellm.server.completions import create_completion
 from tessellm.server.errors import APIError, from_exception, internal_error
 from tessellm.server.requests import (
     ARRIVAL,
+    CLIENT_REQUEST_ID,
     REQUEST_ID,
     STATE_KEY,
     arrival_now,
     client_request_id,
+    echo_id,
     new_request_id,
 )
 from tessellm.server.state import ServerState
@@ -36,11 +39,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 @web.middleware
 async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     request[ARRIVAL] = arrival_now()
+    request[REQUEST_ID] = own_id = new_request_id()
     try:
-        request_id = client_request_id(request.headers.get("X-Request-Id"))
+        client_id = client_request_id(request.headers.get("X-Request-Id"))
     except APIError as e:
-        return e.response(new_request_id())
-    request[REQUEST_ID] = request_id
+        return e.response(own_id)
+    if client_id is not None:
+        request[CLIENT_REQUEST_ID] = client_id
+    request_id = f"{own_id} (client {client_id})" if client_id else own_id  # for the log
     try:
         response = await handler(request)
     except Exception as exc:  # every failure answers an OpenAI error object
@@ -55,9 +61,9 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
         else:
             log.info("[%s] %s %s -> %d: %s", request_id, request.method, request.path,
                      err.status, err.message)
-        return err.response(request_id)
+        return err.response(echo_id(request))
     if not response.prepared:
-        response.headers["X-Request-Id"] = request_id
+        response.headers["X-Request-Id"] = echo_id(request)
     return response
 
 
@@ -79,16 +85,16 @@ async def guard_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine thread runs; 503 once it died or the server is draining."""
+    """200 while the engine core runs; 503 once it died or the server is draining."""
     state = request.app[STATE_KEY]
     engine = state.engine
     if state.draining:
-        raise APIError(503, "the server is shutting down", type="service_unavailable")
+        raise APIError(503, "the server is shutting down", type="service_unavailable",
+                       code="shutting_down")
     if engine.is_alive:
         return web.json_response({"status": "ok"})
-    reason = f"engine thread is not running ({engine.fatal_error!r})" if engine.fatal_error \
-        else "engine thread is not running"
-    raise APIError(503, reason, type="service_unavailable")
+    raise APIError(503, f"the engine core is not running: {engine.fatal_error or 'exited'}",
+                   type="service_unavailable", code="engine_unavailable")
 
 
 async def list_models(request: web.Request) -> web.Response:

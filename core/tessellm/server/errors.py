@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from tessellm.engine.async_engine import QueueFullError
+from tessellm.engine.async_engine import EngineDeadError, QueueFullError
 from tessellm.errors import InvalidRequestError
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
@@ -69,7 +69,10 @@ def from_exception(exc: BaseException) -> APIError | None:
     if isinstance(exc, ValidationError):
         return validation_error(exc)
     if isinstance(exc, QueueFullError):
-        return APIError(503, str(exc), headers={"Retry-After": str(max(1, exc.retry_after_s))})
+        return APIError(503, str(exc), code="queue_full",
+                        headers={"Retry-After": str(max(1, exc.retry_after_s))})
+    if isinstance(exc, EngineDeadError):  # not "queue full": retrying here will not help
+        return APIError(503, str(exc), type="service_unavailable", code="engine_unavailable")
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), exc.param)
     if isinstance(exc, web.HTTPException) and exc.status >= 400:

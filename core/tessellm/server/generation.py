@@ -16,6 +16,7 @@ from aiohttp import web
 from tessellm.engine.async_engine import RequestStream
 from tessellm.engine.output_processor import StreamDelta
 from tessellm.server.errors import APIError
+from tessellm.server.requests import echo_id
 from tessellm.server.sse import SSEWriter
 from tessellm.server.state import ServerState
 from tessellm.server.streams import merged
@@ -99,14 +100,13 @@ async def _whole(request_id: str, streams: list[RequestStream], shape: ResponseS
                     log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
                     raise failure(d)
     usage = usage_of(num_prompt_tokens, sum(r.num_output_tokens for r in results))
-    return web.json_response(shape.response(results, usage),
-                             headers={"X-Request-Id": request_id})
+    return web.json_response(shape.response(results, usage))  # the middleware adds the id
 
 
 async def _stream(request: web.Request, request_id: str, streams: list[RequestStream],
                   shape: ResponseShape, timers: list, include_usage: bool,
                   num_prompt_tokens: int) -> web.StreamResponse:
-    writer = SSEWriter(request, request_id)
+    writer = SSEWriter(request, echo_id(request))
     outputs = [0] * len(streams)
     try:
         await writer.start()

@@ -1,27 +1,25 @@
 """Prometheus metrics of one server (names prefixed `tessellm:`), in the app's own registry.
 
 Two sources, so that nothing goes stale between engine steps:
-- engine state is read at scrape time by EngineCollector: running/waiting requests, KV cache
-  usage, prompt/generation token and preemption counters (LLMEngine.stats) and the cumulative
-  seconds per engine stage (`stage_times` of the LLMEngine or the AsyncEngine, when present:
-  a StageTimes (its snapshot()), a mapping stage -> seconds, or a dataclass of such fields);
-- request latencies are observed as they happen: queue time from the engine thread (the
+- engine state is read at scrape time by EngineCollector from the latest CoreStats the engine
+  core sent (after every step, and every 0.25 s while idle): running/waiting requests, KV cache
+  usage, prompt/generation token and preemption counters, prefix-cache queries and hits (in
+  tokens, as vLLM's prefix_cache_queries / prefix_cache_hits), cumulative seconds per engine
+  stage, plus the front end's own: engine-core liveness, IPC seconds, detokenize seconds;
+- request latencies are observed as they happen: queue time reported by the core (the
   EngineObserver hook), TTFT, inter-token latency and end-to-end latency from the handlers.
 No module-level state: two apps in one process have two registries.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tessellm.engine.async_engine import AsyncEngine
-from tessellm.engine.llm_engine import LLMEngine
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0)
@@ -29,38 +27,29 @@ TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0
                          0.5, 1.0, 2.5)
 
 
-def _stage_items(stage_times: Any) -> list[tuple[str, float]]:
-    if stage_times is None:
-        return []
-    if callable(getattr(stage_times, "snapshot", None)):  # tessellm.engine.stage_times
-        stage_times = stage_times.snapshot()
-    if isinstance(stage_times, Mapping):
-        return [(str(k), float(v)) for k, v in list(stage_times.items())]
-    if dataclasses.is_dataclass(stage_times):
-        return [(f.name, float(getattr(stage_times, f.name)))
-                for f in dataclasses.fields(stage_times)]
-    return []
-
-
 class EngineCollector(Collector):
-    """Reads the engine's live state at every scrape (reads only; the GIL keeps each read
-    consistent enough for monitoring)."""
+    """Reads the engine core's latest report at every scrape (the event loop's own copy)."""
 
     def __init__(self, async_engine: AsyncEngine) -> None:
         self._async = async_engine
 
     def collect(self) -> Iterator[Metric]:
-        engine: LLMEngine = self._async.engine
+        e = self._async
+        s = e.stats
         yield GaugeMetricFamily("tessellm:num_requests_running",
-                                "Requests in the running batch", engine.scheduler.num_running)
+                                "Requests in the running batch", s.num_running)
         yield GaugeMetricFamily("tessellm:num_requests_waiting",
-                                "Requests accepted and not yet running", self._async.num_waiting)
+                                "Requests accepted and not yet running", e.num_waiting)
         yield GaugeMetricFamily("tessellm:kv_cache_usage_perc",
-                                "Fraction of KV cache blocks in use (0..1)", engine.kv.usage)
+                                "Fraction of KV cache blocks in use (0..1)", s.kv_usage)
         yield GaugeMetricFamily("tessellm:model_weight_bytes",
                                 "Bytes of model weights on the device (packed ones as stored)",
-                                engine.parts.weight_bytes)
-        s = engine.stats
+                                e.info.weight_bytes)
+        yield GaugeMetricFamily("tessellm:engine_core_alive",
+                                "1 while the engine core process runs, else 0", int(e.is_alive))
+        yield GaugeMetricFamily("tessellm:engine_core_last_report_age_seconds",
+                                "Seconds since the engine core's latest message",
+                                time.monotonic() - e.last_heard)
         yield CounterMetricFamily("tessellm:prompt_tokens", "Prompt tokens computed",
                                   s.num_prompt_tokens)
         yield CounterMetricFamily("tessellm:generation_tokens", "Tokens generated",
@@ -68,14 +57,19 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("tessellm:num_preemptions", "Requests preempted",
                                   s.num_preemptions)
         yield CounterMetricFamily("tessellm:engine_steps", "Engine steps run", s.num_steps)
+        yield CounterMetricFamily("tessellm:prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache",
+                                  s.prefix_cache_queries)
+        yield CounterMetricFamily("tessellm:prefix_cache_hits",
+                                  "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
+        yield CounterMetricFamily("tessellm:ipc_seconds", "Cumulative seconds from the core "
+                                  "sending a message to the front end reading it",
+                                  e.core.ipc_seconds)
         stages = CounterMetricFamily("tessellm:engine_stage_seconds",
                                      "Cumulative seconds per engine stage", labels=["stage"])
-        seen: set[str] = set()
-        for owner in (engine, self._async):
-            for stage, seconds in _stage_items(getattr(owner, "stage_times", None)):
-                if stage not in seen:
-                    seen.add(stage)
-                    stages.add_metric([stage], seconds)
+        for stage, seconds in sorted(s.stage_seconds.items()):
+            stages.add_metric([stage], seconds)
+        stages.add_metric(["detokenize"], e.detokenize_seconds)
         yield stages
 
 
@@ -100,11 +94,7 @@ class ServerMetrics:
         self.finished = Counter("tessellm:request_finished", "Finished sequences by reason "
                                 "(stop, length, abort, error)", ["finished_reason"], registry=r)
 
-    # EngineObserver (called on the engine thread). Gauges and counters are read at scrape
-    # time by EngineCollector, so on_step has nothing to record.
-    def on_step(self, engine: LLMEngine, num_scheduled: int, preempted: int) -> None:
-        return None
-
+    # EngineObserver (called on the event loop when the core reports a first schedule).
     def on_first_scheduled(self, request_id: str, queue_time_s: float) -> None:
         self.queue_time.observe(queue_time_s)
 

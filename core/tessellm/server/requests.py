@@ -19,6 +19,8 @@ STATE_KEY = web.AppKey("tessellm_state", ServerState)
 _RequestKey = getattr(web, "RequestKey", None)
 REQUEST_ID: Any = _RequestKey("tessellm_request_id", str) if _RequestKey else "tessellm_request_id"
 ARRIVAL: Any = _RequestKey("tessellm_arrival", float) if _RequestKey else "tessellm_arrival"
+CLIENT_REQUEST_ID: Any = (_RequestKey("tessellm_client_request_id", str) if _RequestKey
+                          else "tessellm_client_request_id")
 MAX_REQUEST_ID_LEN = 128
 
 M = TypeVar("M", bound=BaseModel)
@@ -28,15 +30,21 @@ def new_request_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-def client_request_id(value: str | None) -> str:
-    """The client's X-Request-Id when valid (printable ASCII, 1..128 chars), else a new id;
-    an invalid one is a 400 (silently replacing it would break the client's log joins)."""
+def client_request_id(value: str | None) -> str | None:
+    """The client's X-Request-Id when valid (printable ASCII, 1..128 chars), None when absent;
+    an invalid one is a 400 (silently replacing it would break the client's log joins). It is
+    echoed and logged, never used as the engine's request id: two clients may send the same."""
     if value is None:
-        return new_request_id()
+        return None
     if not 0 < len(value) <= MAX_REQUEST_ID_LEN or not (value.isascii() and value.isprintable()):
         raise bad_request(f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
                           f"characters", "X-Request-Id")
     return value
+
+
+def echo_id(request: web.Request) -> str:
+    """The X-Request-Id to answer with: the client's, else the server's own request id."""
+    return request.get(CLIENT_REQUEST_ID) or request[REQUEST_ID]
 
 
 def request_context(request: web.Request) -> tuple[ServerState, str, float]:

@@ -2,7 +2,9 @@
 
 Shutdown order (SIGTERM or SIGINT): new /v1 requests get 503 and the listening socket closes;
 in-flight requests get up to `drain_timeout_s` to finish; the rest are aborted (streams get
-an error event, waiting clients a 503), the engine thread stops, connections close; exit 0.
+an error event, waiting clients a 503), the engine core stops, connections close; exit 0.
+When the engine core dies instead, every open stream ends with an error at once, /health
+answers 503, and the server exits with status 1 so that a supervisor restarts it.
 Binds 127.0.0.1 unless told otherwise; binding elsewhere without an API key logs a warning.
 """
 from __future__ import annotations
@@ -20,18 +22,21 @@ from aiohttp import web
 
 from tessellm.config import EngineConfig
 from tessellm.engine.async_engine import AsyncEngine
-from tessellm.engine.builder import build_engine_parts
-from tessellm.engine.llm_engine import LLMEngine
+from tessellm.engine.builder import model_source_of
+from tessellm.engine.core_client import EngineCoreClient
+from tessellm.engine.test_hooks import HOOK_ENV_VARS
 from tessellm.errors import ConfigError
 from tessellm.models.demo import DEMO_NOTICE
+from tessellm.models.loader import load_source_tokenizer
+from tessellm.models.source import ModelSource
 from tessellm.server.app import create_app
 from tessellm.server.server_config import ServerConfig
 from tessellm.server.state import ServerState
-from tessellm.server.test_hooks import install_test_hooks
 
 log = logging.getLogger(__name__)
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs rid=%{X-Request-Id}o'
 CONNECTION_CLOSE_TIMEOUT_S = 5.0
+DEATH_GRACE_S = 1.0  # after the core died: still listening, so health checks see the 503
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -60,21 +65,36 @@ def _url(host: str, port: int) -> str:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
-               environ: Mapping[str, str] | None = None) -> int:
-    """Build the engine and serve until a termination signal; returns the exit status."""
+               environ: Mapping[str, str] | None = None, enable_test_hooks: bool = False) -> int:
+    """Start the engine core and serve until a termination signal (0) or the core's death
+    (1, so that a supervisor restarts the server); returns the exit status."""
     template = read_chat_template(server_config.chat_template)
-    parts = build_engine_parts(engine_config)
-    if parts.is_demo:
+    source = model_source_of(engine_config)   # a hub download happens once, here
+    if source.is_demo:
         print(f"[tessellm] {DEMO_NOTICE}", file=sys.stderr)
-    engine = LLMEngine(parts)
-    install_test_hooks(engine, parts.tokenizer, os.environ if environ is None else environ)
-    return asyncio.run(serve(engine, engine_config.model, server_config, template))
+    core_config = engine_config.model_copy(
+        update={"model": str(source.path), "gguf_file": None, "revision": None})
+    env = os.environ if environ is None else environ
+    hooks = {k: env[k] for k in HOOK_ENV_VARS if k in env} if enable_test_hooks else {}
+    return asyncio.run(serve(core_config, source, engine_config.model, server_config, template,
+                             hooks))
 
 
-async def serve(engine: LLMEngine, model_path: str | None, config: ServerConfig,
-                chat_template: str | None = None) -> int:
-    async_engine = AsyncEngine(engine, max_waiting=config.max_queue)
-    state = ServerState.build(async_engine, config, model_path, chat_template)
+async def serve(core_config: EngineConfig, source: ModelSource, model_option: str | None,
+                config: ServerConfig, chat_template: str | None = None,
+                test_hooks: dict[str, str] | None = None) -> int:
+    loop = asyncio.get_running_loop()
+    core = EngineCoreClient.spawn(core_config, test_hooks)
+    try:
+        # the front end builds its own tokenizer while the core loads and profiles
+        tokenizer, _ = await asyncio.gather(
+            loop.run_in_executor(None, load_source_tokenizer, source), core.wait_ready())
+    except BaseException:
+        await loop.run_in_executor(None, core.close)
+        raise
+    async_engine = AsyncEngine(core, tokenizer, max_waiting=config.max_queue)
+    state = ServerState.build(async_engine, tokenizer, config, source, model_option,
+                              chat_template)
     runner = web.AppRunner(create_app(state), handler_cancellation=True,
                            access_log_format=ACCESS_LOG_FORMAT,
                            shutdown_timeout=CONNECTION_CLOSE_TIMEOUT_S)
@@ -89,20 +109,30 @@ async def serve(engine: LLMEngine, model_path: str | None, config: ServerConfig,
     if not _is_loopback(config.host) and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who can reach it may use it",
                     config.host)
-    print(f"tessellm: serving {state.model_name!r} on {_url(config.host, port)}", flush=True)
+    print(f"tessellm: serving {state.model_name!r} on {_url(config.host, port)} "
+          f"(engine core pid {core.pid})", flush=True)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    signalled, died = asyncio.ensure_future(stop.wait()), \
+        asyncio.ensure_future(async_engine.wait_dead())
     try:
-        await stop.wait()
+        await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-    print("tessellm: shutting down (draining in-flight requests)", flush=True)
+        signalled.cancel()
+    core_died = died.done()
+    if core_died:
+        print(f"tessellm: the engine core died ({async_engine.fatal_error}); every open "
+              "request was failed; exiting with status 1", file=sys.stderr, flush=True)
+        await asyncio.sleep(DEATH_GRACE_S)  # /health answers 503 (engine_unavailable) meanwhile
+    else:
+        died.cancel()
+        print("tessellm: shutting down (draining in-flight requests)", flush=True)
     state.draining = True
     await site.stop()
-    await async_engine.shutdown(config.drain_timeout_s)
+    await async_engine.shutdown(0.0 if core_died else config.drain_timeout_s)
     await runner.cleanup()
-    return 0
+    return 1 if core_died else 0

@@ -54,14 +54,13 @@ class ServerState:
     draining: bool = False
 
     @classmethod
-    def build(cls, engine: AsyncEngine, config: ServerConfig, model_path: str | None,
+    def build(cls, engine: AsyncEngine, tokenizer: Any, config: ServerConfig,
+              source: ModelSource, model_option: str | None,
               chat_template: str | None = None) -> ServerState:
-        parts = engine.engine.parts
-        tok = parts.tokenizer
-        template = chat_template or getattr(tok, "chat_template", None) or None
-        return cls(engine, tok, config, parts.source.name, model_aliases(model_path, parts.source),
-                   engine.engine.max_model_len,
-                   template, ServerMetrics(engine), TokenTexts(tok))
+        template = chat_template or getattr(tokenizer, "chat_template", None) or None
+        return cls(engine, tokenizer, config, source.name, model_aliases(model_option, source),
+                   engine.info.max_model_len, template, ServerMetrics(engine),
+                   TokenTexts(tokenizer))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:

@@ -12,6 +12,10 @@ from tessellm_cpu.native_build import build_library
 
 SOURCE = Path(__file__).with_name("native") / "linear_packed.c"
 SUPPORTED_TYPES = frozenset({2, 3, 8})  # GGML Q4_0, Q4_1, Q8_0
+# Rows of x per call it is offered for: it decodes each block once per tile of 8 rows in
+# float32 FMAs, so past a few hundred rows dequantize-then-GEMM (oneDNN) wins by far
+# (measured with SmolLM2's shapes: even at 128 rows, 2.3 ms against 2.0-2.8 ms).
+MAX_TOKENS = 256
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -24,7 +28,7 @@ class NativePackedLinear:
     @staticmethod
     def supports(query: KernelQuery) -> bool:
         return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and query.dim("qtype") in SUPPORTED_TYPES)
+                and query.dim("qtype") in SUPPORTED_TYPES and query.num_tokens <= MAX_TOKENS)
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

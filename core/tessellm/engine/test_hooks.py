@@ -1,6 +1,8 @@
-"""TEST HOOKS, off by default: fault and delay injection for the server's end-to-end tests.
+"""TEST HOOKS, off by default: fault and delay injection for the end-to-end server tests.
 
-Read from the environment by serve.py when the server starts; nothing here runs otherwise.
+Read from the environment only when the server is started with the explicit test-only flag
+`--enable-test-hooks` (an environment variable alone switches nothing on); the engine core
+installs them after it is built. Nothing here runs otherwise.
 - TESSELLM_TEST_FAIL_STEP_ON_PROMPT=<substring>: an engine step in which a scheduled request's
   decoded prompt contains <substring> raises (as a kernel failure would). The engine fails
   that step's requests and goes on; the tests check that nothing else is lost.
@@ -20,6 +22,7 @@ from tessellm.errors import ConfigError
 
 FAIL_STEP_ON_PROMPT_ENV = "TESSELLM_TEST_FAIL_STEP_ON_PROMPT"
 STEP_DELAY_ENV = "TESSELLM_TEST_STEP_DELAY_S"
+HOOK_ENV_VARS = (FAIL_STEP_ON_PROMPT_ENV, STEP_DELAY_ENV)
 
 log = logging.getLogger(__name__)
 

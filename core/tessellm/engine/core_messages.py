@@ -1,0 +1,125 @@
+"""Messages between the front end and the engine-core process (msgpack through msgspec).
+
+Everything that crosses the process boundary is one of these typed structs, encoded with
+msgspec's msgpack codec and decoded against the union type: nothing is ever unpickled, and a
+malformed message is a DecodeError, never code execution. Front end -> core: AddRequest,
+FinishRequests, Shutdown. Core -> front end: Ready (once, after load and kernel profiling),
+StartupFailed, StepOutputs (after every step, and as a heartbeat while idle), CoreFailed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from tessellm.engine.sampler import TokenLogprobs
+from tessellm.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """n > 1: copy-on-write siblings "<request_id>-<i>" (LLMEngine.add_request_group)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]          # SamplingParams fields (re-validated in the core)
+    priority: int = 0
+    n: int = 1
+    arrival: float = 0.0            # front end's time.monotonic()
+
+
+class FinishRequests(msgspec.Struct, tag=True):
+    """Abort (client gone) or stop (a stop string matched in the front end)."""
+
+    request_ids: list[str]
+    reason: str = "abort"           # "abort" | "stop"
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag=True):
+    """What the front end needs to validate requests and describe the model."""
+
+    pid: int
+    device: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    priority_levels: int
+    block_size: int
+    num_kv_blocks: int
+    weight_bytes: int
+    eos_token_ids: list[int]
+    kernel_choices: dict[str, str]  # profiled "op|dtype|T<bucket>|dims" -> kernel name
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    error: str
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core loop itself raised (a bug): every open request has failed with it."""
+
+    error: str
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    """One request's new tokens since its previous delta (and their logprobs, when asked)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_steps: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    stage_seconds: dict[str, float]
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    deltas: list[TokenDelta]
+    stats: CoreStats
+    first_scheduled: list[tuple[str, float]]  # (request id, seconds it waited), new ones
+    sent_at: float                            # core's time.time() when sent (IPC time)
+
+
+ToCore = AddRequest | FinishRequests | Shutdown
+FromCore = Ready | StartupFailed | CoreFailed | StepOutputs
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(params)
+
+
+def params_from_wire(fields: dict[str, Any]) -> SamplingParams:
+    """Rebuild (and so re-validate) SamplingParams; unknown fields are an error."""
+    return SamplingParams(**fields)
+
+
+class Codec:
+    """One encoder and one decoder per direction (msgspec reuses their buffers)."""
+
+    def __init__(self, decode_type: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(decode_type)
+
+    def encode(self, message: Any) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes) -> Any:
+        return self._decoder.decode(data)

@@ -1,0 +1,239 @@
+"""The engine core: scheduler, KV manager, model runner and sampler behind two zmq sockets.
+
+It runs in a process of its own (`core_process_main`, spawned by EngineCoreClient; it owns the
+device and torch's OpenMP threads, so the front end's event loop never shares an interpreter
+lock with the step loop) or, for tests and embedding, on a thread (`EngineCoreLoop` over
+inproc sockets). The loop: drain every message that arrived (adds, finishes, shutdown), run one
+step if anything is unfinished, send the new tokens of every request (StepOutputs); while idle
+it sends a StepOutputs heartbeat every HEARTBEAT_S, which is how the front end sees liveness.
+Orderings: a request's deltas are sent in generation order and its last has finished=True;
+a FinishRequests frees the blocks before the next step. A failing step fails only its requests
+(their deltas say so, naming how many failed with them); a bug in the loop sends CoreFailed and
+ends every open request with an error.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import zmq
+
+from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreStats,
+                                           FinishRequests, Ready, Shutdown, StartupFailed,
+                                           StepOutputs, TokenDelta, ToCore, params_from_wire)
+from tessellm.engine.llm_engine import LLMEngine, StepError
+from tessellm.errors import TessellmError
+from tessellm.graph.lowering import select_all_kernels
+from tessellm.request import FinishReason, Request
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.25
+
+
+class DeltaTracker:
+    """Per tracked request: how many of its tokens were already sent."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[Request, int]] = {}
+        self.arrivals: dict[str, float] = {}
+        self.step_errors: dict[str, str] = {}
+
+    def track(self, request: Request, arrival: float) -> None:
+        self.sent[request.request_id] = (request, 0)
+        self.arrivals[request.request_id] = arrival
+
+    def deltas(self) -> list[TokenDelta]:
+        """New tokens and finish states of every tracked request since the last call."""
+        out = []
+        for rid, (r, sent) in list(self.sent.items()):
+            n = len(r.output_token_ids)
+            if n == sent and not r.is_finished:
+                continue
+            reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
+            error = self.step_errors.pop(rid, "engine step failed") \
+                if r.finish_reason is FinishReason.ERROR else None
+            out.append(TokenDelta(rid, r.output_token_ids[sent:n], r.output_logprobs[sent:n],
+                                  r.is_finished, reason, error, r.num_prompt_tokens, n))
+            if r.is_finished:
+                del self.sent[rid]
+                self.arrivals.pop(rid, None)
+            else:
+                self.sent[rid] = (r, n)
+        return out
+
+    def first_scheduled(self) -> list[tuple[str, float]]:
+        now = time.monotonic()
+        started = [(rid, now - t) for rid, t in self.arrivals.items()
+                   if self.sent[rid][0].num_computed_tokens > 0]
+        for rid, _ in started:
+            del self.arrivals[rid]
+        return started
+
+    def fail_all(self, error: str) -> list[TokenDelta]:
+        out = [TokenDelta(rid, [], [], True, "error", error, r.num_prompt_tokens,
+                          len(r.output_token_ids)) for rid, (r, _) in self.sent.items()]
+        self.sent.clear()
+        return out
+
+
+def core_stats(engine: LLMEngine) -> CoreStats:
+    s, prefix = engine.stats, engine.scheduler.prefix_cache_stats
+    return CoreStats(engine.scheduler.num_running, engine.scheduler.num_waiting,
+                     engine.kv.usage, s.num_steps, s.num_preemptions, s.num_prompt_tokens,
+                     s.num_generated_tokens, prefix.queries, prefix.hits,
+                     dict(engine.stage_times.snapshot()))
+
+
+def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
+    p = engine.parts
+    return Ready(os.getpid(), p.device.name, str(p.dtype).removeprefix("torch."),
+                 engine.max_model_len, p.spec.vocab_size, p.config.priority_levels,
+                 p.config.block_size, engine.kv.num_blocks, p.weight_bytes,
+                 sorted(p.eos_token_ids), kernel_choices)
+
+
+class EngineCoreLoop:
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
+                 parent_pid: int | None = None) -> None:
+        self.engine = engine
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.tracker = DeltaTracker()
+        self._to_core, self._from_core = Codec(ToCore), Codec(None)
+        self._stopping = False
+        self._last_sent = 0.0
+
+    def send(self, message: Any) -> None:
+        self.outbox.send(self._from_core.encode(message), copy=False)
+        self._last_sent = time.monotonic()
+
+    def _apply(self, message: Any) -> None:
+        if isinstance(message, Shutdown):
+            self._stopping = True
+        elif isinstance(message, FinishRequests):
+            reason = FinishReason.STOP if message.reason == "stop" else FinishReason.ABORT
+            known = [rid for rid in message.request_ids if rid in self.tracker.sent]
+            self.engine.scheduler.finish_requests(known, reason)
+        elif isinstance(message, AddRequest):
+            self._add(message)
+
+    def _add(self, m: AddRequest) -> None:
+        try:
+            requests = self.engine.add_request_group(
+                m.prompt_token_ids, params_from_wire(m.params), m.n, request_id=m.request_id,
+                priority=m.priority)
+        except (TessellmError, TypeError, ValueError) as e:  # validated by the front end too
+            ids = [m.request_id] if m.n == 1 else [f"{m.request_id}-{i}" for i in range(m.n)]
+            self.send(StepOutputs([TokenDelta(rid, [], [], True, "error", str(e), 0, 0)
+                                   for rid in ids], core_stats(self.engine), [], time.time()))
+            return
+        for r in requests:
+            self.tracker.track(r, m.arrival)
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._apply(self._to_core.decode(data))
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except StepError as e:  # only that step's requests failed (finished: error)
+            log.error("%s", e)
+            ids = [r.request_id for r in e.failed]
+            note = (f"{e} (failed together in that step: {', '.join(ids[:8])}"
+                    f"{' ...' if len(ids) > 8 else ''})")
+            for rid in ids:
+                self.tracker.step_errors[rid] = note
+
+    def run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished()
+                self._drain(0 if busy else int(HEARTBEAT_S * 1000))
+                if self._stopping and not self.engine.has_unfinished():
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+                deltas = self.tracker.deltas()
+                if deltas or time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                    self.send(StepOutputs(deltas, core_stats(self.engine),
+                                          self.tracker.first_scheduled(), time.time()))
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    log.error("engine core: the front end (pid %d) is gone; exiting",
+                              self.parent_pid)
+                    return
+        except BaseException as e:  # a bug in the loop: fail every request, loudly
+            log.exception("engine core loop died")
+            error = f"engine core failure: {type(e).__name__}: {e}"
+            try:
+                self.send(StepOutputs(self.tracker.fail_all(error), core_stats(self.engine),
+                                      [], time.time()))
+                self.send(CoreFailed(error))
+            except Exception:  # the socket may be what failed; the process exit still shows
+                pass
+            raise
+
+
+def profile_buckets(engine: LLMEngine) -> dict[str, str]:
+    """Choose every kernel for every token bucket the engine can meet, before serving (so no
+    request waits on a profile and outputs never depend on when a bucket was first seen)."""
+    c = engine.parts.config
+    buckets = []
+    b = 1
+    while b < 2 * max(c.max_num_batched_tokens, c.max_num_seqs):
+        buckets.append(b)
+        b *= 2
+    choices: dict[str, str] = {}
+    for i, b in enumerate(buckets):
+        print(f"tessellm: profiling kernels, token bucket {b} ({i + 1}/{len(buckets)})",
+              file=sys.stderr, flush=True)
+        choices.update(select_all_kernels(engine.parts.plan, b, c.max_num_seqs))
+    return choices
+
+
+def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, parent_pid: int,
+                      test_hooks: dict[str, str]) -> None:
+    """Entry point of the spawned engine-core process (all arguments are plain strings, so
+    nothing is pickled but them)."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[core]: %(message)s")
+    from tessellm.config import EngineConfig
+    from tessellm.engine.builder import build_engine_parts
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock, addr in ((inbox, inbox_addr), (outbox, outbox_addr)):
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(addr)
+    codec = Codec(None)
+    try:
+        engine = LLMEngine(build_engine_parts(EngineConfig(**json.loads(config_json))))
+        if test_hooks:
+            from tessellm.engine.test_hooks import install_test_hooks
+            install_test_hooks(engine, engine.parts.tokenizer, test_hooks)
+        ready = ready_message(engine, profile_buckets(engine))
+    except BaseException as e:
+        log.exception("engine core failed to start")
+        outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        outbox.close()
+        ctx.term()
+        sys.exit(1)
+    loop = EngineCoreLoop(engine, inbox, outbox, parent_pid)
+    loop.send(ready)
+    try:
+        loop.run()
+    except BaseException:
+        sys.exit(1)
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
