@@ -200,9 +200,10 @@ class KVCacheManager:
         self._pool.incref(hits)        # first: allocating must not evict a hit
         new_blocks = self._pool.allocate(missing + cow)
         self._fresh.extend(new_blocks)
-        if cow:
+        if cow:  # a new list: a table list only ever grows in place (see block_table_view)
             shared, private = table[first], new_blocks.pop()
             self._copies.append((shared, private))
+            table = self._tables[rid] = list(table)
             table[first] = private
             self._pool.free([shared])
         if table is None:
@@ -275,6 +276,13 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] when it holds no blocks)."""
         return list(self._tables.get(request_id, ()))
+
+    def block_table_view(self, request_id: str) -> Sequence[int]:
+        """The request's block table itself, read-only (never mutate it). Invariant: a table
+        list only ever grows by appending; any other change (copy-on-write, free and
+        reallocation, fork) gives the request a new list, so a reader holding the list it saw
+        before knows by identity whether only its tail can be new."""
+        return self._tables.get(request_id, ())
 
     def slot_mapping(self, request: SequenceState, start: int, stop: int) -> list[int]:
         """Flat cache slots of token positions start..stop-1 of the request."""

@@ -13,8 +13,10 @@ the scheduler: decodes first, then prefills, as AttentionMetadata requires.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
@@ -35,7 +37,7 @@ class StepInputs:
     token_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[Sequence[int]]   # read-only views (KVCacheManager.block_table_view)
     seq_lens: list[int]
     query_lens: list[int]
     logits_indices: list[int]
@@ -54,7 +56,7 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         s.token_ids += r.token_ids_slice(start, stop)
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)
-        s.block_tables.append(kv.block_table(r.request_id))
+        s.block_tables.append(kv.block_table_view(r.request_id))
         s.seq_lens.append(stop)
         s.query_lens.append(n)
         if stop == r.num_tokens:  # fully computed after this step: sample its next token
@@ -66,6 +68,41 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
         s.num_decodes += 1
     return s
+
+
+class BlockTableRows:
+    """Each request's block table as a persistent int32 row, updated incrementally: a row is
+    rebuilt only when the KV manager gave the request a new table list (copy-on-write,
+    reallocation), else only the appended tail is copied. Filling a step's [B, width] table
+    is then one memcpy per request, whatever the context length."""
+
+    def __init__(self, max_blocks_per_seq: int, max_rows: int) -> None:
+        self.width = max_blocks_per_seq
+        self.max_rows = max_rows
+        self._rows: dict[str, tuple[Sequence[int], np.ndarray, int]] = {}
+
+    def row(self, request_id: str, table: Sequence[int]) -> np.ndarray:
+        known = self._rows.get(request_id)
+        if known is not None and known[0] is table:
+            _, row, synced = known
+            if len(table) > synced:
+                row[synced:len(table)] = table[synced:]
+        else:
+            row = np.zeros(self.width, dtype=np.int32)
+            row[:len(table)] = table
+        self._rows[request_id] = (table, row, len(table))
+        return row
+
+    def fill(self, out: np.ndarray, request_ids: list[str],
+             tables: list[Sequence[int]]) -> int:
+        """Write the rows of this step's requests into out[:len, :width]; returns width."""
+        width = max(1, max(len(t) for t in tables))
+        for i, (rid, table) in enumerate(zip(request_ids, tables)):
+            out[i, :width] = self.row(rid, table)[:width]
+        if len(self._rows) > 2 * self.max_rows:   # forget requests that left
+            keep = set(request_ids)
+            self._rows = {k: v for k, v in self._rows.items() if k in keep}
+        return width
 
 
 class ModelRunner:
@@ -91,6 +128,7 @@ class ModelRunner:
         self.dev_bufs = {k: alloc.allocate(shape, dt, tag="input_buffers")
                          for k, (shape, dt) in shapes.items()}
         self.host_sampled = host.allocate((B,), torch.int64)
+        self.table_rows = BlockTableRows(W, B)
         self._zero_blocks([KVCacheManager.NULL_BLOCK])
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
@@ -115,17 +153,18 @@ class ModelRunner:
         self.swapper.copy_blocks(out.block_copies)
         return self.swapper.swap_in(out.swap_in)
 
-    def _upload(self, values: dict[str, list]) -> dict[str, torch.Tensor]:
-        """Stage host values, enqueue their copies, wait once; returns device views."""
+    def _upload(self, values: dict[str, list | tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Stage host values, enqueue their copies, wait once; returns device views. A
+        (rows, cols) tuple names a 2-D buffer already filled in place on the host."""
         views = {}
         for name, vals in values.items():
-            src = torch.as_tensor(vals, dtype=self.host_bufs[name].dtype)
-            if src.dim() == 2:
-                h = self.host_bufs[name][:src.shape[0], :src.shape[1]]
-                d = self.dev_bufs[name][:src.shape[0], :src.shape[1]]
+            if isinstance(vals, tuple):
+                h = self.host_bufs[name][:vals[0], :vals[1]]
+                d = self.dev_bufs[name][:vals[0], :vals[1]]
             else:
+                src = torch.as_tensor(vals, dtype=self.host_bufs[name].dtype)
                 h, d = self.host_bufs[name][:src.shape[0]], self.dev_bufs[name][:src.shape[0]]
-            h.copy_(src)
+                h.copy_(src)
             self.stream.copy(d, h)
             views[name] = d
         self.wait(self.stream.record_event())
@@ -139,14 +178,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         swapped_in = self.apply_block_ops(out, kv)
         s = build_step_inputs(out, kv)
-        width = max(len(t) for t in s.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in s.block_tables]
+        rows = len(s.block_tables)
+        tables_np = self.host_bufs["block_tables"].numpy()
+        width = self.table_rows.fill(
+            tables_np, [sched.request.request_id for sched in out.scheduled], s.block_tables)
         qsl = [0]
         for q in s.query_lens:
             qsl.append(qsl[-1] + q)
         dev = self._upload({
             "input_ids": s.token_ids, "positions": s.positions, "slot_mapping": s.slot_mapping,
-            "block_tables": tables, "seq_lens": s.seq_lens, "query_start_loc": qsl,
+            "block_tables": (rows, width), "seq_lens": s.seq_lens, "query_start_loc": qsl,
             "logits_indices": s.logits_indices or [0]})
         n_dec = s.num_decodes
         meta = AttentionMetadata(
