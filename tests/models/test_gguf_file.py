@@ -40,7 +40,8 @@ from hf_fixtures import (GPT2_GGUF, STORIES_260K, ModelCase, _gpt2_config, _llam
 from logits_probe import recorded_logits
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ModelLoadError, UnsupportedModelError
-from tessellm.models.gguf_file import gguf_config, load_gguf, load_gguf_tokenizer, open_gguf
+from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+from tessellm.models.gguf_tokenizer import load_gguf_tokenizer
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight, dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not STORIES_GGUF.is_file() or not GPT2_GGUF.is_file(),

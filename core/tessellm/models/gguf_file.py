@@ -76,7 +76,8 @@ def open_gguf(path: str | Path) -> Any:
     return reader
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def metadata_field(reader: Any, key: str, default: Any = None) -> Any:
+    """The value of a metadata key (strings and arrays decoded), or `default`."""
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -84,7 +85,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _architecture(reader: Any) -> str:
-    arch = _field(reader, "general.architecture")
+    arch = metadata_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: "
@@ -98,7 +99,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
 
     def num(key: str, kind: type, default: Any = _REQUIRED) -> Any:
         """Metadata `{arch}.{key}` as `kind` (int or float); a per-layer array's first value."""
-        value = _field(reader, f"{a}.{key}")
+        value = metadata_field(reader, f"{a}.{key}")
         if value is None:
             if default is _REQUIRED:
                 raise ModelLoadError(f"GGUF metadata lacks {a}.{key}")
@@ -128,7 +129,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         raise ModelLoadError(f"GGUF metadata {a}.attention.head_count ({heads}) is not a "
                              f"multiple of {a}.attention.head_count_kv ({kv_heads})")
     special = {k: v for k in ("bos_token_id", "eos_token_id")
-               if isinstance(v := _field(reader, f"tokenizer.ggml.{k}"), int) and 0 <= v < vocab}
+               if isinstance(v := metadata_field(reader, f"tokenizer.ggml.{k}"), int) and 0 <= v < vocab}
     common = {"vocab_size": vocab, "torch_dtype": "float32", **special}
     if a == "gpt2":
         return {"architectures": [GGUF_ARCHITECTURES[a]], "n_embd": hidden,
@@ -152,10 +153,10 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "rope_theta": num("rope.freq_base", float, 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu", **common}
-    window = _field(reader, f"{a}.attention.sliding_window")
+    window = metadata_field(reader, f"{a}.attention.sliding_window")
     if window:
         config["sliding_window"] = num("attention.sliding_window", int)
-    scaling = _field(reader, f"{a}.rope.scaling.type")
+    scaling = metadata_field(reader, f"{a}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise UnsupportedModelError(f"GGUF {a}: rope scaling {scaling!r} is not supported "
@@ -251,7 +252,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGU
     """
     reader = open_gguf(path)
     config = gguf_config(reader)
-    arch = _field(reader, "general.architecture")
+    arch = metadata_field(reader, "general.architecture")
     num_layers = config.get("num_hidden_layers") or config["n_layer"]
     names = _name_map(arch, num_layers)
     by_name = {t.name: t for t in reader.tensors}
@@ -277,7 +278,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGU
                                                 _unpermute_rows(heads)(weights[key].shape[0]))
     if arch == "gpt2":
         _split_gpt2_qkv(weights, num_layers)
-    template = _field(reader, "tokenizer.chat_template")
+    template = metadata_field(reader, "tokenizer.chat_template")
     return GGUFModel(Path(path), config, weights, template, *counts)
 
 
@@ -350,58 +351,6 @@ def _split_gpt2_qkv(weights: dict[str, Weight], num_layers: int) -> None:
             for j, name in enumerate("qkv"):
                 rows = torch.arange(j * third, (j + 1) * third)
                 weights[f"{p}.{name}_proj{suffix}"] = _permute(fused, rows)
-
-
-_SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id",
-                    "seperator_token_id")
-
-
-def _invalid_special_ids(reader: Any) -> list[str]:
-    """Special-token fields whose id is outside the vocabulary (llama.cpp writes 2**32 - 1
-    for "none"; transformers' GGUF tokenizer reader indexes the vocabulary with it)."""
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    size = len(tokens.data) if tokens is not None else 0
-    return [f"tokenizer.ggml.{k}" for k in _SPECIAL_ID_KEYS
-            if (v := _field(reader, f"tokenizer.ggml.{k}")) is not None and not 0 <= v < size]
-
-
-def _write_vocab_only(reader: Any, skip: list[str], out: Path) -> None:
-    """A tensor-less GGUF holding the file's tokenizer metadata minus the `skip` fields."""
-    import gguf
-    writer = gguf.GGUFWriter(out, _field(reader, "general.architecture"))
-    for key, f in reader.fields.items():
-        if key.startswith("tokenizer.") and key not in skip:
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), f.types[0], sub)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    writer.close()
-
-
-def load_gguf_tokenizer(path: str | Path) -> Any:
-    """The file's tokenizer, built by transformers from the GGUF metadata (offline).
-
-    A special-token id outside the vocabulary means "none": transformers cannot read such a
-    file, so it reads a vocab-only copy without those fields (in a temporary directory)."""
-    import tempfile
-
-    from transformers import AutoTokenizer
-    p = Path(path)
-    skip = _invalid_special_ids(open_gguf(p))
-    try:
-        if not skip:
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                 local_files_only=True)
-        log.info("GGUF %s: ignoring special-token ids outside the vocabulary: %s", p.name,
-                 ", ".join(skip))
-        with tempfile.TemporaryDirectory(prefix="tessellm-vocab-") as tmp:
-            _write_vocab_only(open_gguf(p), skip, Path(tmp) / "vocab.gguf")
-            return AutoTokenizer.from_pretrained(tmp, gguf_file="vocab.gguf",
-                                                 local_files_only=True)
-    except (OSError, ValueError, KeyError, IndexError, ImportError, TypeError) as exc:
-        raise ModelLoadError(f"cannot build the tokenizer of GGUF file {p}: "
-                             f"{type(exc).__name__}: {exc}") from exc
 
 
 def is_gguf_path(model: str) -> bool:

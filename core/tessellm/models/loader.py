@@ -69,7 +69,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True
 def load_source_tokenizer(source: ModelSource) -> Any:
     """The tokenizer of a source: a GGUF file's own (from its metadata) or the directory's."""
     if source.kind == "gguf":
-        from tessellm.models.gguf_file import load_gguf_tokenizer
+        from tessellm.models.gguf_tokenizer import load_gguf_tokenizer
         return load_gguf_tokenizer(source.path)
     from tessellm.models.hf_files import load_tokenizer
     return load_tokenizer(source.path)
