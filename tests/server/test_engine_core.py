@@ -47,6 +47,8 @@ def test_the_core_is_its_own_process_and_reports_metrics(server):
     assert m["tessellm:prefix_cache_queries_total"] >= 2 * 80
     assert m["tessellm:prefix_cache_hits_total"] >= 4 * 16  # the second request's shared blocks
     assert m["tessellm:ipc_seconds_total"] > 0
+    # one host/device synchronization per step (every step here samples)
+    assert m["tessellm:host_device_syncs_total"] == m["tessellm:engine_steps_total"] > 0
     assert m['tessellm:engine_stage_seconds_total{stage="execute"}'] > 0
 
 

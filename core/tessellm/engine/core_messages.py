@@ -88,6 +88,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_generated_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    host_syncs: int
     stage_seconds: dict[str, float]
 
 

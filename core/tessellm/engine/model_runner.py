@@ -6,8 +6,11 @@ Block copies come first in a step (tessellm.engine.kv_swap): swap-outs are enque
 reading blocks about to be reused are waited on, fresh blocks are zeroed, copy-on-write and
 swap-in copies follow, and compute is ordered after the swap-ins.
 Inputs are staged in host buffers (from the device's host allocator), copied to persistent
-device buffers (from the device allocator) through a transfer stream, and the plan runs only
-after the copy event has completed. Sampled token ids come back the same way. Row order follows
+device buffers (from the device allocator) through a transfer stream, and compute is ordered
+after the copy event with the device's `wait_on_compute` (a stream wait on CUDA: the host goes
+on). The one host/device synchronization of a step is reading back the sampled token ids
+(counted in `host_syncs`); the previous step's staging buffers are therefore free again when
+the next step writes them. Row order follows
 the scheduler: decodes first, then prefills, as AttentionMetadata requires.
 """
 from __future__ import annotations
@@ -129,6 +132,7 @@ class ModelRunner:
                          for k, (shape, dt) in shapes.items()}
         self.host_sampled = host.allocate((B,), torch.int64)
         self.table_rows = BlockTableRows(W, B)
+        self.host_syncs = 0   # times the host blocked on the device (one per sampling step)
         self._zero_blocks([KVCacheManager.NULL_BLOCK])
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
@@ -139,7 +143,8 @@ class ModelRunner:
             cache.index_fill_(1, idx, 0)
 
     def wait(self, event: Event) -> None:
-        """Block until a transfer has landed (the one place the runner waits on the stream)."""
+        """Block the host until a transfer has landed (counted)."""
+        self.host_syncs += 1
         event.wait()
 
     def apply_block_ops(self, out: SchedulerOutput, kv: KVCacheManager) -> Event | None:
@@ -153,9 +158,10 @@ class ModelRunner:
         self.swapper.copy_blocks(out.block_copies)
         return self.swapper.swap_in(out.swap_in)
 
-    def _upload(self, values: dict[str, list | tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Stage host values, enqueue their copies, wait once; returns device views. A
-        (rows, cols) tuple names a 2-D buffer already filled in place on the host."""
+    def _upload(self, values: dict[str, list | tuple[int, int]]
+                ) -> tuple[dict[str, torch.Tensor], Event]:
+        """Stage host values, enqueue their copies and order compute after them; returns
+        device views. A (rows, cols) tuple names a 2-D buffer already filled on the host."""
         views = {}
         for name, vals in values.items():
             if isinstance(vals, tuple):
@@ -167,8 +173,9 @@ class ModelRunner:
                 h.copy_(src)
             self.stream.copy(d, h)
             views[name] = d
-        self.wait(self.stream.record_event())
-        return views
+        landed = self.stream.record_event()
+        self.device.wait_on_compute(landed)
+        return views, landed
 
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
@@ -185,7 +192,7 @@ class ModelRunner:
         qsl = [0]
         for q in s.query_lens:
             qsl.append(qsl[-1] + q)
-        dev = self._upload({
+        dev, uploaded = self._upload({
             "input_ids": s.token_ids, "positions": s.positions, "slot_mapping": s.slot_mapping,
             "block_tables": (rows, width), "seq_lens": s.seq_lens, "query_start_loc": qsl,
             "logits_indices": s.logits_indices or [0]})
@@ -203,12 +210,12 @@ class ModelRunner:
         if swapped_in is not None:
             self.swapper.wait_for_compute(swapped_in)
         t1 = time.perf_counter()
-        logits = self.plan.run(feeds)
-        self.device.synchronize()
+        logits = self.plan.run(feeds)   # on an asynchronous device: enqueued, not finished
         t2 = time.perf_counter()
         self.stage_times.add("prepare_inputs", t1 - t0)
         self.stage_times.add("execute", t2 - t1)
-        if not s.sampled:
+        if not s.sampled:  # no readback this step: free the staging buffers explicitly
+            self.wait(uploaded)
             return [], [], []
         result = self.sampler(logits, [
             SampleRequest(r.params, len(r.output_token_ids), r.prompt_token_ids,

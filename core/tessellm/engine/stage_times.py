@@ -1,6 +1,8 @@
 """Cumulative wall time per engine stage (schedule, prepare_inputs, execute, sample, update):
 the seeds' "time share per CPU stage". Written by the engine loop only; readers take a
-snapshot. (Detokenization runs in the server's front end, which counts it itself.)"""
+snapshot. (Detokenization runs in the server's front end, which counts it itself.) On an
+asynchronous device `execute` is the time to enqueue the plan; the device time then shows in
+`sample`, which ends with the step's one synchronization (reading back the token ids)."""
 from __future__ import annotations
 
 import threading

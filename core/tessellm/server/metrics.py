@@ -62,6 +62,9 @@ class EngineCollector(Collector):
                                   s.prefix_cache_queries)
         yield CounterMetricFamily("tessellm:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
+        yield CounterMetricFamily("tessellm:host_device_syncs", "Times the engine core's host "
+                                  "blocked on the device (one per sampling step)",
+                                  s.host_syncs)
         yield CounterMetricFamily("tessellm:ipc_seconds", "Cumulative seconds from the core "
                                   "sending a message to the front end reading it",
                                   e.core.ipc_seconds)
