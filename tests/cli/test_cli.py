@@ -46,12 +46,15 @@ def test_kernels_prints_a_ranking_per_op(capsys, stories_dir):
 
 def test_bench_throughput_prints_one_json_line(capsys, stories_dir):
     assert main(["bench", "throughput", "--model", str(stories_dir), "--num-prompts", "4",
-                 "--input-len", "8", "--output-len", "4", "--dtype", "float32"]) == 0
+                 "--input-len", "40", "--output-len", "4", "--dtype", "float32",
+                 "--runs", "2"]) == 0
     line = capsys.readouterr().out.strip().splitlines()
     assert len(line) == 1
     result = json.loads(line[0])
-    assert result["gen_tokens"] == 16
+    assert result["gen_tokens"] == 16 and len(result["gen_tok_per_s_runs"]) == 2
     assert {"gen_tok_per_s", "total_tok_per_s", "wall_s"} <= set(result)
+    # the warm-up and every timed run have prompts of their own: no prefix-cache hits
+    assert result["prefix_hit_tokens"] == 0
 
 
 def test_errors_are_reported_without_a_traceback(capsys, tmp_path):

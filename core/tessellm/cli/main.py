@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--input-len", type=int, default=128)
     t.add_argument("--output-len", type=int, default=128)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--warmup-output-len", type=int, default=4)
+    t.add_argument("--warmup-output-len", type=int, default=4,
+                   help="tokens per request of the warm-up run (on other prompts)")
+    t.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
     t.set_defaults(func=cmd_bench_throughput)
     lt = bsub.add_parser("latency", help="one stream: prefill and decode tok/s, W3/W4")
     _engine_args(lt)
