@@ -17,7 +17,7 @@ from tessellm.device import (
 )
 from tessellm.kernels import reference
 from tessellm.kernels.attention_metadata import AttentionMetadata
-from tessellm.kernels.registry import Kernel, KernelQuery
+from tessellm.kernels.registry import Kernel, KernelQuery, WeightLayout
 from tessellm.paths import cache_root
 from tessellm.quant.formats import PackedFormat, PackedWeight, dequantize, quantize
 from tessellm.plugin_spec import API_VERSION, hookimpl
@@ -25,6 +25,6 @@ from tessellm.plugin_spec import API_VERSION, hookimpl
 __all__ = [
     "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "CompletedEvent",
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
-    "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream", "cache_root", "dequantize", "hookimpl",
-    "quantize", "reference",
+    "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream",
+    "WeightLayout", "cache_root", "dequantize", "hookimpl", "quantize", "reference",
 ]

@@ -27,7 +27,7 @@ from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreSt
                                            StepOutputs, TokenDelta, ToCore, params_from_wire)
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
-from tessellm.graph.lowering import select_all_kernels
+from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
 from tessellm.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,8 @@ class EngineCoreLoop:
 
 def profile_buckets(engine: LLMEngine) -> dict[str, str]:
     """Choose every kernel for every token bucket the engine can meet, before serving (so no
-    request waits on a profile and outputs never depend on when a bucket was first seen)."""
+    request waits on a profile and outputs never depend on when a bucket was first seen),
+    then let weights take their kernels' layouts (adopt_weight_layouts)."""
     c = engine.parts.config
     buckets = []
     b = 1
@@ -199,6 +200,11 @@ def profile_buckets(engine: LLMEngine) -> dict[str, str]:
         print(f"tessellm: profiling kernels, token bucket {b} ({i + 1}/{len(buckets)})",
               file=sys.stderr, flush=True)
         choices.update(select_all_kernels(engine.parts.plan, b, c.max_num_seqs))
+    # every reachable bucket is chosen: weights whose kernels all read their own layout
+    # are converted once and the plain copies dropped
+    adopted = adopt_weight_layouts(engine.parts.plan, engine.parts.weights)
+    if adopted:
+        log.info("%d weight(s) converted to their kernels' layout", adopted)
     return choices
 
 

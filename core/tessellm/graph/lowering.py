@@ -19,24 +19,54 @@ from tessellm.graph.ir import ModelGraph
 from tessellm.graph.plan import ExecutionPlan, Instruction, Slot
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.profiler import KernelSelector, token_bucket
-from tessellm.kernels.registry import KernelQuery
+from tessellm.kernels.registry import Kernel, KernelQuery, WeightLayout
 
 
 class KernelSite:
-    """One device-op node; the row count of its first argument picks the token bucket."""
+    """One device-op node; the row count of its first argument picks the token bucket.
 
-    __slots__ = ("op", "dtype", "dims", "selector", "_by_bucket")
+    A kernel with a WeightLayout reads this site's weight (argument 1) in its own form,
+    prepared once at the first call that needs it; after adopt_weight_layouts the plan no
+    longer holds the plain weight and argument 1 arrives as None."""
+
+    __slots__ = ("op", "dtype", "dims", "selector", "_by_bucket", "_kernels", "_prepared")
 
     def __init__(self, op: str, dtype: torch.dtype, dims: tuple, selector: KernelSelector) -> None:
         self.op, self.dtype, self.dims, self.selector = op, dtype, dims, selector
         self._by_bucket: dict[int, Any] = {}
+        self._kernels: dict[int, Kernel] = {}
+        self._prepared: dict[str, Any] = {}
 
     def fn_for(self, num_tokens: int):
         bucket = token_bucket(num_tokens)
         fn = self._by_bucket.get(bucket)
         if fn is None:
-            query = KernelQuery(self.op, self.dtype, bucket, self.dims)
-            fn = self._by_bucket[bucket] = self.selector.select(query).fn
+            fn = self._bind(bucket)
+        return fn
+
+    def _bind(self, bucket: int, kernel: Kernel | None = None):
+        kernel = self._kernels[bucket] = kernel or self.selector.select(
+            KernelQuery(self.op, self.dtype, bucket, self.dims))
+        layout = kernel.weight_layout
+        if layout is None and self._prepared:
+            fn = self._plain_weight_guard(kernel)
+        elif layout is None:
+            fn = kernel.fn
+        else:
+            def fn(x, weight, *rest, _fn=kernel.fn, _layout=layout):
+                prepared = self._prepared.get(_layout.name)
+                if prepared is None:
+                    prepared = self._prepared[_layout.name] = _layout.prepare(weight)
+                return _fn(x, prepared, *rest)
+        self._by_bucket[bucket] = fn
+        return fn
+
+    def _plain_weight_guard(self, kernel: Kernel):
+        def fn(x, weight, *rest):
+            if weight is None:  # adopt_weight_layouts dropped it: this bucket was not chosen
+                raise KernelError(f"{self.op}: kernel {kernel.name} needs the plain weight, "
+                                  "which was converted for the buckets profiled at start-up")
+            return kernel.fn(x, weight, *rest)
         return fn
 
     def __call__(self, *args: Any) -> Any:
@@ -45,10 +75,55 @@ class KernelSite:
     def choose(self, num_tokens: int) -> tuple[str, str]:
         """Select (profiling if needed) the kernel of a bucket now: (bucket key, kernel)."""
         bucket = token_bucket(num_tokens)
-        query = KernelQuery(self.op, self.dtype, bucket, self.dims)
-        kernel = self.selector.select(query)
-        self._by_bucket.setdefault(bucket, kernel.fn)
-        return query.bucket_key, kernel.name
+        if bucket not in self._kernels:
+            self._bind(bucket)
+        return (KernelQuery(self.op, self.dtype, bucket, self.dims).bucket_key,
+                self._kernels[bucket].name)
+
+    def unify_layout(self) -> None:
+        """Make every chosen bucket read one weight form, so the site never holds two: the
+        buckets that chose a plain kernel take the fastest correct kernel of the layout the
+        others read; if some bucket has none, every bucket goes back to plain kernels."""
+        layouts = {k.weight_layout for k in self._kernels.values()}
+        if len(layouts) < 2:
+            return
+        layout = next(lay for lay in layouts if lay is not None)
+        if not self._rebind(lambda k: k.weight_layout == layout, dry_run=True):
+            self.use_plain()
+            return
+        self._rebind(lambda k: k.weight_layout == layout)
+
+    def use_plain(self) -> None:
+        """Every bucket on its fastest plain-weight kernel (a shared weight stays plain)."""
+        if any(k.weight_layout is not None for k in self._kernels.values()):
+            self._prepared.clear()
+            if not self._rebind(lambda k: k.weight_layout is None):
+                raise KernelError(f"{self.op}: no plain-weight kernel serves every bucket")
+
+    def _rebind(self, accept, dry_run: bool = False) -> bool:
+        """Rebind the buckets whose kernel `accept` refuses to the best it takes; False
+        (changing nothing) if some bucket has no such kernel."""
+        alt = {b: self.selector.best(KernelQuery(self.op, self.dtype, b, self.dims), accept)
+               for b, k in self._kernels.items() if not accept(k)}
+        if any(k is None for k in alt.values()):
+            return False
+        if not dry_run:
+            for b, k in alt.items():
+                self._bind(b, k)
+        return True
+
+    def sole_layout(self) -> WeightLayout | None:
+        """The weight layout every bucket chosen so far reads, or None if any reads plain."""
+        layouts = {k.weight_layout for k in self._kernels.values()}
+        return layouts.pop() if len(layouts) == 1 and None not in layouts else None
+
+    def prepare(self, weight: Any) -> Any:
+        layout = self.sole_layout()
+        if layout is None:
+            raise KernelError(f"{self.op} site has no single weight layout to prepare")
+        if layout.name not in self._prepared:
+            self._prepared[layout.name] = layout.prepare(weight)
+        return self._prepared[layout.name]
 
 
 class AttentionSite:
@@ -76,6 +151,39 @@ class AttentionSite:
         nd = meta.num_decode_tokens
         return torch.cat((self.decode(q[:nd], kv_cache, dec, scale),
                           self.prefill(q[nd:], kv_cache, pre, scale)))
+
+
+def adopt_weight_layouts(plan: ExecutionPlan, weights: dict[str, Any]) -> int:
+    """Once every bucket a site can meet has its kernel (select_all_kernels over all of
+    them), hand each weight whose only reader is a site whose kernels all read one layout to
+    that layout: the site prepares it and the plan (and `weights`, by identity) drop the
+    plain tensor in favour of the prepared one. Returns how many weights changed form."""
+    readers: dict[int, int] = {}   # by tensor identity: one weight may fill several slots
+    for ins in plan.instructions:
+        for a in ins.args:
+            if isinstance(a, Slot) and a.index in plan.constants:
+                key = id(plan.constants[a.index])
+                readers[key] = readers.get(key, 0) + 1
+    adopted = 0
+    for ins in plan.instructions:
+        site = ins.fn
+        if not isinstance(site, KernelSite) or len(ins.args) < 2:
+            continue
+        w = ins.args[1]
+        if not isinstance(w, Slot) or w.index not in plan.constants \
+                or readers.get(id(plan.constants[w.index])) != 1:
+            site.use_plain()  # shared (e.g. a tied embedding): one plain copy serves all
+            continue
+        site.unify_layout()
+        if site.sole_layout() is None:
+            continue
+        plain = plan.constants.pop(w.index)
+        prepared = site.prepare(plain)
+        for name, value in weights.items():
+            if value is plain:
+                weights[name] = prepared
+        adopted += 1
+    return adopted
 
 
 def select_all_kernels(plan: ExecutionPlan, num_tokens: int, max_seqs: int) -> dict[str, str]:

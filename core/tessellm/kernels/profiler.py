@@ -136,6 +136,20 @@ class KernelSelector:
         decision = self.decide(query, candidates)
         return next(k for k in candidates if k.name == decision.choice)
 
+    def best(self, query: KernelQuery, accept: Callable[[Kernel], bool]) -> Kernel | None:
+        """The fastest candidate `accept` takes that the profile found correct (None if no
+        such candidate, or the policy does not profile)."""
+        candidates = [k for k in self.registry.candidates(self.device_name, query) if accept(k)]
+        if not candidates:
+            return None
+        if self.policy != "profile":
+            return candidates[0]
+        by_name = {k.name: k for k in candidates}
+        for c in self.decide(query).ranking:
+            if c.correct and c.name in by_name:
+                return by_name[c.name]
+        return None
+
     def cache_key(self, query: KernelQuery, candidates: list[Kernel]) -> str:
         names = ",".join(k.name for k in candidates)
         return f"{self.device_name}|{self.identity}|{query.bucket_key}|[{names}]"
@@ -193,9 +207,12 @@ class KernelSelector:
 
     def _check(self, kernel: Kernel, op: str, args: list[Any], expected: list[torch.Tensor],
                rtol: float, atol: float) -> tuple[Candidate, list[Any]]:
-        """Run once on a private copy of the inputs and compare with the reference."""
+        """Run once on a private copy of the inputs (the weight in the kernel's own layout,
+        prepared before anything is timed) and compare with the reference."""
         run_args = _clone_args(args)
         try:
+            if kernel.weight_layout is not None:
+                run_args[1] = kernel.weight_layout.prepare(run_args[1])
             got = _outputs(op, run_args, kernel.fn(*run_args))
             for g, e in zip(got, expected, strict=True):
                 if g.shape != e.shape:

@@ -38,8 +38,21 @@ def _always(query: KernelQuery) -> bool:
 
 
 @dataclass(slots=True, frozen=True)
+class WeightLayout:
+    """A kernel that reads its weight (argument 1) in a layout of its own. `prepare` turns a
+    plain weight into it, once per weight: the profiler prepares its example weight before it
+    checks and times the kernel; an execution-plan site prepares its weight the first time a
+    bucket chooses the kernel, and drops the plain weight once every bucket it can meet uses
+    the layout (tessellm.graph.lowering.adopt_weight_layouts), so memory is not doubled."""
+
+    name: str
+    prepare: Callable[[Any], Any]
+
+
+@dataclass(slots=True, frozen=True)
 class Kernel:
-    """One implementation of an op on one device; `fn` has the op's reference signature."""
+    """One implementation of an op on one device; `fn` has the op's reference signature
+    (with the weight in `weight_layout`'s form when it has one)."""
 
     op: str
     name: str
@@ -47,6 +60,7 @@ class Kernel:
     device: str
     supports: Callable[[KernelQuery], bool] = field(default=_always, compare=False)
     description: str = ""
+    weight_layout: WeightLayout | None = field(default=None, compare=False)
 
 
 class KernelRegistry:

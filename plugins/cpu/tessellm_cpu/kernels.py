@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import logging
 
-from tessellm.plugin_api import Kernel, PackedWeight, dequantize
+from tessellm.plugin_api import Kernel, KernelQuery, PackedWeight, WeightLayout, dequantize
 from tessellm_cpu import attention
 from tessellm_cpu.native_build import NativeBuildError
 
@@ -63,6 +63,42 @@ def write_kv_index_copy(k, v, kv_cache, slot_mapping):
     kv_cache[1][index] = v.view(-1, nkv, hd).to(kv_cache.dtype)
 
 
+# oneDNN's prepacked linear: the weight reordered once into oneDNN's blocked layout (same
+# size) instead of on every call. Measured on the bench model (bf16, 2 threads): decode steps
+# 20.9 -> 14.8 ms (1 sequence), 28.8 -> 23.3 ms (13), outputs equal to x @ w.t().
+PREPACK_BATCH_HINT = 32
+
+
+def _onednn_prepack_available() -> bool:
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+def onednn_prepack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PREPACK_BATCH_HINT)
+
+
+def linear_onednn_prepacked(x, weight, bias=None):
+    x = x if x.is_contiguous() else x.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _onednn_supports(query: KernelQuery) -> bool:
+    if query.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return query.dtype == torch.float32
+
+
+def onednn_kernels(device: str) -> list[Kernel]:
+    if not _onednn_prepack_available():
+        log.warning("tessellm_cpu: this torch has no oneDNN prepacked linear; not offered")
+        return []
+    return [Kernel("linear", "linear_onednn_prepacked", linear_onednn_prepacked, device,
+                   supports=_onednn_supports, description="oneDNN, weight prepacked once",
+                   weight_layout=WeightLayout("onednn_blocked", onednn_prepack))]
+
+
 def linear_packed_dequant_matmul(x, weight: PackedWeight, bias=None):
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
@@ -94,6 +130,8 @@ def cpu_kernels(device: str) -> list[Kernel]:
     def k(op: str, name: str, fn, description: str = "") -> Kernel:
         return Kernel(op=op, name=name, fn=fn, device=device, description=description)
 
+    # kernels with a weight layout come after the plain ones, so kernel_selection "first"
+    # never converts a weight
     return native_kernels(device) + [
         k("embedding", "embedding_aten", F.embedding),
         k("linear", "linear_aten", F.linear),
@@ -117,4 +155,4 @@ def cpu_kernels(device: str) -> list[Kernel]:
         k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
         k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
-    ]
+    ] + onednn_kernels(device)

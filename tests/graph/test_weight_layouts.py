@@ -1,0 +1,106 @@
+"""Kernels that read their weight in a layout of their own (WeightLayout): the profiler checks
+them on prepared weights, plan sites prepare a weight once, and adopt_weight_layouts leaves
+each weight in exactly one form (dropping the plain one where a single site reads it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from graph_fixtures import REF_DEVICE, make_model, prefill_feeds, reference_registry
+
+from tessellm.errors import KernelError
+from tessellm.graph.lowering import KernelSite, adopt_weight_layouts, lower, select_all_kernels
+from tessellm.kernels.profiler import KernelSelector
+from tessellm.kernels.registry import Kernel, KernelQuery, WeightLayout
+
+# the "layout": the weight stored transposed; its kernel multiplies by it directly
+TRANSPOSED = WeightLayout("transposed", lambda w: w.t().contiguous())
+
+
+def linear_transposed(x, wt, bias=None):
+    out = x @ wt
+    return out + bias if bias is not None else out
+
+
+def _registry(layout_kernel: Kernel | None = None, plain: bool = True):
+    registry = reference_registry(skip=() if plain else ("linear",))
+    registry.register(layout_kernel or Kernel("linear", "linear_t", linear_transposed,
+                                              REF_DEVICE, weight_layout=TRANSPOSED))
+    return registry
+
+
+def _selector(registry, policy) -> KernelSelector:
+    return KernelSelector(registry, REF_DEVICE, "cpu", lambda: None, policy=policy,
+                          min_time_s=0.001, max_reps=4)
+
+
+def test_the_profiler_checks_a_layout_kernel_on_its_prepared_weight() -> None:
+    query = KernelQuery("linear", torch.float32, 4,
+                        (("bias", 0), ("in_features", 8), ("out_features", 6)))
+    good = _selector(_registry(), "profile").decide(query)
+    assert {c.name: c.correct for c in good.ranking} == {"ref_linear": True, "linear_t": True}
+    wrong = Kernel("linear", "linear_t", linear_transposed, REF_DEVICE,
+                   weight_layout=WeightLayout("not_transposed", lambda w: w.clone()))
+    bad = _selector(_registry(wrong), "profile").decide(query)
+    assert bad.choice == "ref_linear"
+    assert not next(c for c in bad.ranking if c.name == "linear_t").correct
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2 ties its LM head to the embedding
+def test_adopted_weights_take_one_form_and_outputs_do_not_change(arch: str) -> None:
+    model = make_model(arch)
+    weights = model.graph.weights
+    expected = lower(model.graph, _selector(reference_registry(), "first"),
+                     torch.float32).run(prefill_feeds(model.spec))
+    plan = lower(model.graph, _selector(_registry(plain=False), "first"), torch.float32)
+    for b in (1, 2, 4, 8):
+        select_all_kernels(plan, b, 4)
+    adopted = adopt_weight_layouts(plan, weights) if arch == "llama" else None
+    sites = [i for i in plan.instructions if isinstance(i.fn, KernelSite) and i.fn.op == "linear"]
+    if arch == "qwen2":  # the tied head's weight is shared and no plain kernel exists
+        with pytest.raises(KernelError, match="plain-weight kernel"):
+            adopt_weight_layouts(plan, weights)
+        return
+    assert adopted == len(sites) and all(len(i.fn._prepared) == 1 for i in sites)
+    # the plan holds no plain linear weight any more; `weights` holds the prepared forms
+    assert all(i.args[1].index not in plan.constants for i in sites)
+    held = [p for i in sites for p in i.fn._prepared.values()]
+    assert all(any(p is w for w in weights.values()) for p in held)
+    torch.testing.assert_close(plan.run(prefill_feeds(model.spec)), expected)
+
+
+def test_a_shared_weight_stays_plain_and_mixed_sites_are_unified() -> None:
+    model = make_model("qwen2")                     # lm_head reads the embedding's weight
+    registry = _registry()                          # plain and transposed kernels both offered
+    plan = lower(model.graph, _selector(registry, "profile"), torch.float32)
+    for b in (1, 2, 4, 8):
+        select_all_kernels(plan, b, 4)
+    tied = model.graph.weights["model.embed_tokens.weight"]
+    shared_slots = {i for i, w in plan.constants.items() if w is tied}
+    assert len(shared_slots) == 2          # read by the embedding and the tied LM head
+    adopt_weight_layouts(plan, model.graph.weights)
+    for ins in plan.instructions:
+        site = ins.fn
+        if isinstance(site, KernelSite) and site.op == "linear":
+            layouts = {k.weight_layout for k in site._kernels.values()}
+            assert len(layouts) == 1                     # one form per site
+            if ins.args[1].index in shared_slots:
+                assert layouts == {None} and not site._prepared   # shared: plain only
+            held = ins.args[1].index in plan.constants
+            assert held == (layouts == {None})               # plain kept iff read plain
+
+
+def test_a_bucket_chosen_after_adoption_fails_clearly() -> None:
+    model = make_model("llama")
+    registry = _registry()
+    forced = {"linear": "linear_t"}
+    plan = lower(model.graph, _selector(registry, forced), torch.float32)
+    select_all_kernels(plan, 1, 1)
+    adopt_weight_layouts(plan, model.graph.weights)
+    site = next(i.fn for i in plan.instructions if isinstance(i.fn, KernelSite)
+                and i.fn.op == "linear")
+    site.selector.policy = {"linear": "ref_linear"}   # as if another bucket chose plain
+    site.selector._chosen.clear()
+    site._kernels.pop(1, None)
+    site._by_bucket.clear()
+    with pytest.raises(KernelError, match="plain weight"):
+        site(torch.zeros(1, 32), None)
