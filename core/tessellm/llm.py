@@ -15,6 +15,7 @@ from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
 from tessellm.engine.chat_template import chat_template_of, encode_chat
 from tessellm.engine.detokenizer import decode_continuation
+from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine
 from tessellm.engine.output_processor import OutputProcessor, RawDelta
 from tessellm.engine.stop_strings import StopStringMatcher
@@ -108,6 +109,11 @@ class LLM:
         self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(build_engine_parts(self.config, plugins))
         self.tokenizer = self.engine.parts.tokenizer
+        if self.config.kernel_selection != "first":
+            # every bucket chosen up front (cached on disk), as the server does: outputs do
+            # not depend on which bucket came first, and weights convert to their kernels'
+            # layout without a plain copy left beside them
+            prepare_kernels(self.engine, progress=self.config.load_progress)
 
     @property
     def is_demo(self) -> bool:

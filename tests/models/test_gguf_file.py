@@ -102,7 +102,9 @@ class Written:
             path = self.path if qtype == "F32" else self.quantized(qtype)
             options: dict[str, Any] = {"quantization": quantization}
             if qtype != "F32" and quantization == "auto" and native_packed_linear():
+                # pinned to the C kernel, which is offered up to 256 tokens a step
                 options["kernel_selection"] = {"linear_packed": "linear_packed_native"}
+                options["max_num_batched_tokens"] = 256
             self.llms[key] = make_llm(path, cache_dir, **options)
         return self.llms[key]
 

@@ -84,7 +84,8 @@ class EngineCoreClient:
     @classmethod
     def in_thread(cls, engine: Any) -> EngineCoreClient:
         """Run the core loop over an already built LLMEngine on a thread of this process."""
-        from tessellm.engine.engine_core import EngineCoreLoop, profile_buckets, ready_message
+        from tessellm.engine.engine_core import EngineCoreLoop, ready_message
+        from tessellm.engine.kernel_warmup import prepare_kernels
         ctx = zmq.Context()
         tag = f"{id(engine)}-{time.monotonic_ns()}"
         to_addr, from_addr = f"inproc://to-core-{tag}", f"inproc://from-core-{tag}"
@@ -96,7 +97,7 @@ class EngineCoreClient:
         def run() -> None:
             loop = EngineCoreLoop(engine, inbox, outbox)
             try:
-                loop.send(ready_message(engine, profile_buckets(engine)))
+                loop.send(ready_message(engine, prepare_kernels(engine, progress=False)))
                 loop.run()
             except BaseException:
                 pass  # CoreFailed was sent by the loop; the thread's end shows the death

@@ -25,9 +25,9 @@ import zmq
 from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreStats,
                                            FinishRequests, Ready, Shutdown, StartupFailed,
                                            StepOutputs, TokenDelta, ToCore, params_from_wire)
+from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
-from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
 from tessellm.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -185,29 +185,6 @@ class EngineCoreLoop:
             raise
 
 
-def profile_buckets(engine: LLMEngine) -> dict[str, str]:
-    """Choose every kernel for every token bucket the engine can meet, before serving (so no
-    request waits on a profile and outputs never depend on when a bucket was first seen),
-    then let weights take their kernels' layouts (adopt_weight_layouts)."""
-    c = engine.parts.config
-    buckets = []
-    b = 1
-    while b < 2 * max(c.max_num_batched_tokens, c.max_num_seqs):
-        buckets.append(b)
-        b *= 2
-    choices: dict[str, str] = {}
-    for i, b in enumerate(buckets):
-        print(f"tessellm: profiling kernels, token bucket {b} ({i + 1}/{len(buckets)})",
-              file=sys.stderr, flush=True)
-        choices.update(select_all_kernels(engine.parts.plan, b, c.max_num_seqs))
-    # every reachable bucket is chosen: weights whose kernels all read their own layout
-    # are converted once and the plain copies dropped
-    adopted = adopt_weight_layouts(engine.parts.plan, engine.parts.weights)
-    if adopted:
-        log.info("%d weight(s) converted to their kernels' layout", adopted)
-    return choices
-
-
 def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, parent_pid: int,
                       test_hooks: dict[str, str]) -> None:
     """Entry point of the spawned engine-core process (all arguments are plain strings, so
@@ -226,7 +203,7 @@ def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, paren
         if test_hooks:
             from tessellm.engine.test_hooks import install_test_hooks
             install_test_hooks(engine, engine.parts.tokenizer, test_hooks)
-        ready = ready_message(engine, profile_buckets(engine))
+        ready = ready_message(engine, prepare_kernels(engine))
     except BaseException as e:
         log.exception("engine core failed to start")
         outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
