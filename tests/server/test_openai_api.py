@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from openai import OpenAI
@@ -167,7 +168,10 @@ def test_request_id_is_echoed_and_validated(server):
                                     headers={"X-Request-Id": "my-trace-42"})
     assert status == 200 and headers["x-request-id"] == "my-trace-42"
     assert body["id"].startswith("cmpl-")  # the server's own id, never the client's
-    assert "my-trace-42" in server.log()   # logged beside it
+    deadline = time.monotonic() + 5       # logged (the access log line follows the answer)
+    while "my-trace-42" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.05)
     status, headers, _ = request(server, "GET", "/v1/models")
     assert headers["x-request-id"].startswith("cmpl-")
     for bad in ("x" * 129, "tab\there"):

@@ -29,10 +29,13 @@ class KernelSite:
     prepared once at the first call that needs it; after adopt_weight_layouts the plan no
     longer holds the plain weight and argument 1 arrives as None."""
 
-    __slots__ = ("op", "dtype", "dims", "selector", "_by_bucket", "_kernels", "_prepared")
+    __slots__ = ("op", "dtype", "dims", "selector", "per_sequence", "_by_bucket", "_kernels",
+                 "_prepared")
 
-    def __init__(self, op: str, dtype: torch.dtype, dims: tuple, selector: KernelSelector) -> None:
+    def __init__(self, op: str, dtype: torch.dtype, dims: tuple, selector: KernelSelector,
+                 per_sequence: bool = False) -> None:
         self.op, self.dtype, self.dims, self.selector = op, dtype, dims, selector
+        self.per_sequence = per_sequence  # rows are sampled sequences (the LM head), not tokens
         self._by_bucket: dict[int, Any] = {}
         self._kernels: dict[int, Kernel] = {}
         self._prepared: dict[str, Any] = {}
@@ -193,7 +196,7 @@ def select_all_kernels(plan: ExecutionPlan, num_tokens: int, max_seqs: int) -> d
     for ins in plan.instructions:
         site = ins.fn
         if isinstance(site, KernelSite):
-            sites = [(site, num_tokens)]
+            sites = [(site, min(num_tokens, max_seqs) if site.per_sequence else num_tokens)]
         elif isinstance(site, AttentionSite):
             sites = [(site.write, num_tokens), (site.prefill, num_tokens),
                      (site.decode, min(num_tokens, max_seqs))]
@@ -210,7 +213,8 @@ def _bind(node: fx.Node, dtype: torch.dtype, selector: KernelSelector):
     if name == "attention":
         return AttentionSite(dtype, node.meta["dims"], selector)
     if name is not None:
-        return KernelSite(name, dtype, node.meta["dims"], selector)
+        return KernelSite(name, dtype, node.meta["dims"], selector,
+                          per_sequence=node.meta.get("role") == "lm_head")
     if node.target in (operator.getitem, ops.split_last, ops.per_head, ops.merge_heads,
                        ops.select_rows):
         return node.target
