@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 PROJECT = "tessellm"
 ENTRY_POINT_GROUP = "tessellm.plugins"
-API_VERSION = "1.0"
+# 1.1 (additive, plugins of 1.0 still load): packed weights (PackedWeight, PackedFormat,
+# quantize, dequantize) and kernel weight layouts (WeightLayout, Kernel.weight_layout).
+API_VERSION = "1.1"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
