@@ -17,7 +17,8 @@ from tessellm.engine.chat_template import chat_template_of, encode_chat
 from tessellm.engine.detokenizer import decode_continuation
 from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine
-from tessellm.engine.output_processor import OutputProcessor, RawDelta
+from tessellm.engine.delta_tracker import DeltaTracker
+from tessellm.engine.output_processor import OutputProcessor
 from tessellm.engine.stop_strings import StopStringMatcher
 from tessellm.errors import InvalidRequestError
 from tessellm.plugins import PluginManager
@@ -65,34 +66,27 @@ class _StopStringWatch:
     def __init__(self, engine: LLMEngine, tokenizer: Any, requests: list[Request]) -> None:
         self._engine = engine
         self._outputs = OutputProcessor(tokenizer)
-        self._sent: dict[str, tuple[Request, int]] = {}  # unfinished: request, tokens fed
+        self._new = DeltaTracker()   # tokens not yet fed, per watched request
         self._texts: dict[str, list[str]] = {}
         self._reasons: dict[str, str] = {}
         for r in requests:
             if r.params.stop:
                 self._outputs.track(r.request_id, r.prompt_token_ids, r.params.stop)
-                self._sent[r.request_id] = (r, 0)
+                self._new.track(r)
                 self._texts[r.request_id] = []
 
     def update(self) -> None:
         """Feed every watched request's new tokens; finish those that hit a stop string."""
         stopped = []
-        for rid, (r, sent) in list(self._sent.items()):
-            n = len(r.output_token_ids)
-            if n == sent and not r.is_finished:
-                continue
-            reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
-            delta, stop_now = self._outputs.process(RawDelta(
-                rid, r.output_token_ids[sent:n], [], r.is_finished, reason, None,
-                r.num_prompt_tokens, n))
-            self._sent[rid] = (r, n)
+        for raw in self._new.deltas():
+            delta, stop_now = self._outputs.process(raw)
             if delta is not None:
-                self._texts[rid].append(delta.text)
+                self._texts[raw.request_id].append(delta.text)
                 if delta.finished:
-                    self._reasons[rid] = delta.finish_reason or reason or "stop"
-                    del self._sent[rid]
+                    self._reasons[raw.request_id] = (delta.finish_reason or raw.finish_reason
+                                                     or "stop")
             if stop_now:
-                stopped.append(rid)
+                stopped.append(raw.request_id)
         if stopped:
             self._engine.scheduler.finish_requests(stopped, FinishReason.STOP)
 

@@ -23,7 +23,7 @@ from typing import Protocol
 from tessellm.engine.core_client import EngineCoreClient
 from tessellm.engine.core_messages import (AddRequest, CoreFailed, CoreStats, FinishRequests,
                                            StepOutputs, params_to_wire)
-from tessellm.engine.output_processor import OutputProcessor, RawDelta, StreamDelta
+from tessellm.engine.output_processor import OutputProcessor, StreamDelta
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.sampling_params import SamplingParams
@@ -207,9 +207,7 @@ class AsyncEngine:
         for d in out.deltas:
             if d.request_id not in self._streams:
                 continue
-            delta, stop_now = self._outputs.process(RawDelta(
-                d.request_id, d.token_ids, d.logprobs, d.finished, d.finish_reason, d.error,
-                d.num_prompt_tokens, d.num_output_tokens))
+            delta, stop_now = self._outputs.process(d)
             if stop_now:
                 stops.append(d.request_id)
             if delta is not None:

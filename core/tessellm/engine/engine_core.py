@@ -25,60 +25,15 @@ import zmq
 from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreStats,
                                            FinishRequests, Ready, Shutdown, StartupFailed,
                                            StepOutputs, TokenDelta, ToCore, params_from_wire)
+from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
-from tessellm.request import FinishReason, Request
+from tessellm.request import FinishReason
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.25
-
-
-class DeltaTracker:
-    """Per tracked request: how many of its tokens were already sent."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, tuple[Request, int]] = {}
-        self.arrivals: dict[str, float] = {}
-        self.step_errors: dict[str, str] = {}
-
-    def track(self, request: Request, arrival: float) -> None:
-        self.sent[request.request_id] = (request, 0)
-        self.arrivals[request.request_id] = arrival
-
-    def deltas(self) -> list[TokenDelta]:
-        """New tokens and finish states of every tracked request since the last call."""
-        out = []
-        for rid, (r, sent) in list(self.sent.items()):
-            n = len(r.output_token_ids)
-            if n == sent and not r.is_finished:
-                continue
-            reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
-            error = self.step_errors.pop(rid, "engine step failed") \
-                if r.finish_reason is FinishReason.ERROR else None
-            out.append(TokenDelta(rid, r.output_token_ids[sent:n], r.output_logprobs[sent:n],
-                                  r.is_finished, reason, error, r.num_prompt_tokens, n))
-            if r.is_finished:
-                del self.sent[rid]
-                self.arrivals.pop(rid, None)
-            else:
-                self.sent[rid] = (r, n)
-        return out
-
-    def first_scheduled(self) -> list[tuple[str, float]]:
-        now = time.monotonic()
-        started = [(rid, now - t) for rid, t in self.arrivals.items()
-                   if self.sent[rid][0].num_computed_tokens > 0]
-        for rid, _ in started:
-            del self.arrivals[rid]
-        return started
-
-    def fail_all(self, error: str) -> list[TokenDelta]:
-        out = [TokenDelta(rid, [], [], True, "error", error, r.num_prompt_tokens,
-                          len(r.output_token_ids)) for rid, (r, _) in self.sent.items()]
-        self.sent.clear()
-        return out
 
 
 def core_stats(engine: LLMEngine) -> CoreStats:

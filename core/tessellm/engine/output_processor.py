@@ -1,34 +1,21 @@
-"""Per-request output state on the output thread: incremental detokenization, stop strings.
+"""Per-request output state of the front end: incremental detokenization, stop strings.
 
-The engine thread describes what each request produced in a step as a RawDelta (token ids,
+The engine core describes what each request produced in a step as a TokenDelta (token ids,
 logprobs, finish state); `process` turns it into the StreamDelta sent to the client: text held
 back while a multi-byte character or a possible stop string is incomplete, and a stop string
 finishes the request at once (its text trimmed, as OpenAI does; the caller then asks the engine
 to stop it). Invariant: the concatenated `text` of a request's deltas equals its detokenized
 output truncated before the first stop string. After a request's final delta its state is gone
-and later RawDeltas for it are ignored.
+and later TokenDeltas for it are ignored.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from tessellm.engine.core_messages import TokenDelta
 from tessellm.engine.detokenizer import IncrementalDetokenizer
 from tessellm.engine.stop_strings import StopStringMatcher
-
-
-@dataclass(slots=True)
-class RawDelta:
-    """What one request produced since its previous RawDelta (built on the engine thread)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[Any]
-    finished: bool
-    finish_reason: str | None
-    error: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
 
 
 @dataclass(slots=True)
@@ -60,7 +47,7 @@ class OutputProcessor:
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
             StopStringMatcher(stop) if stop else None)
 
-    def process(self, raw: RawDelta) -> tuple[StreamDelta | None, bool]:
+    def process(self, raw: TokenDelta) -> tuple[StreamDelta | None, bool]:
         """The client delta for `raw` (None if the request already finished) and whether a
         stop string asks the engine to finish the request now."""
         t = self.tracked.get(raw.request_id)
