@@ -42,7 +42,6 @@ class EngineCoreClient:
         self._encode, self._decode = Codec(None), Codec(FromCore)
         self.ready: Ready | None = None
         self.ipc_seconds = 0.0   # cumulative send -> receipt latency of the core's messages
-        self.messages_received = 0
 
     # ---- construction -----------------------------------------------------------------
 
@@ -125,7 +124,6 @@ class EngineCoreClient:
         sent_at = getattr(message, "sent_at", None)
         if sent_at is not None:
             self.ipc_seconds += max(0.0, time.time() - sent_at)
-        self.messages_received += 1
         return message
 
     async def wait_dead(self, poll_s: float = 0.05) -> None:

@@ -1,4 +1,5 @@
-"""Reading a GGUF file (llama.cpp's format): hyper-parameters, weights, tokenizer, chat template.
+"""Reading a GGUF file (llama.cpp's format): hyper-parameters and weights (its tokenizer and
+chat template: tessellm.models.gguf_tokenizer).
 
 The file is read with the `gguf` package and memory-mapped copy-on-write, so tensors kept in
 their packed form (Q8_0, Q4_0, Q4_1) are views of the file, never copies. Invariants:
@@ -41,14 +42,8 @@ class GGUFModel:
     path: Path
     config: dict[str, Any]
     weights: dict[str, Weight]
-    chat_template: str | None
     packed_types: Counter       # tensors kept packed, by type name
     dequantized_types: Counter  # tensors expanded to the compute dtype at load, by type name
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
-                   for w in self.weights.values())
 
 
 def open_gguf(path: str | Path) -> Any:
@@ -278,8 +273,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGU
                                                 _unpermute_rows(heads)(weights[key].shape[0]))
     if arch == "gpt2":
         _split_gpt2_qkv(weights, num_layers)
-    template = metadata_field(reader, "tokenizer.chat_template")
-    return GGUFModel(Path(path), config, weights, template, *counts)
+    return GGUFModel(Path(path), config, weights, *counts)
 
 
 def _expected_shapes(arch: str, c: dict[str, Any], vocab: int) -> dict[str, tuple[int, ...]]:
