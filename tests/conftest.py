@@ -1,6 +1,7 @@
 """Suite-wide fixtures: an isolated cache dir, and the KV-leak check after every engine test."""
 from __future__ import annotations
 
+import os
 import weakref
 from pathlib import Path
 
@@ -8,7 +9,14 @@ import pytest
 
 from tessellm.engine.llm_engine import LLMEngine
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# Triton decides at `triton.jit` time whether a kernel runs in its interpreter, so this is set
+# before anything imports tessellm_cuda's kernels: the `triton-interpret` device (CPU tensors
+# through Triton's interpreter) is then available to the suite. Its priority is below cpu, so
+# device="auto" never picks it. A GPU run sets TRITON_INTERPRET=0 explicitly.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SHARED = Path(os.environ.get("TESSELLM_SHARED_DIR")
+              or Path(__file__).resolve().parents[1].parent / "shared")
 STORIES = SHARED / "models" / "stories260K-hf"
 
 

@@ -35,6 +35,14 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
+    # Devices that size the KV pool from measured memory (cuda): after the weights are loaded
+    # and a profiling forward pass at the largest batch, the pool takes this fraction of the
+    # device's total memory minus what is already in use. Ignored when num_kv_blocks or
+    # kv_cache_bytes is given, and by devices that do not measure (cpu: a fixed default).
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # Devices that capture decode steps as graphs (cuda: CUDA graphs per batch-size bucket):
+    # True runs every step eagerly.
+    enforce_eager: bool = False
     kernel_selection: Literal["profile", "first"] | dict[str, str] = "profile"
     graph_passes: Literal["default", "none"] = "default"
     cache_dir: str | None = Field(None, description="profile cache and demo model; default "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -34,6 +34,16 @@ class MemoryInfo:
 class Availability:
     available: bool
     reason: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeGraphShape:
+    """The shape key of `DevicePlugin.compile` for a decode graph: steps of exactly `num_seqs`
+    decode sequences (real ones first, padding after: slot -1, seq_len 1, a table of block 0)
+    with block tables of `max_blocks` columns."""
+
+    num_seqs: int
+    max_blocks: int
 
 
 @dataclass(slots=True)
@@ -217,9 +227,25 @@ class DevicePlugin(ABC):
         self.new_stream().copy(dst, host).wait()
         return dst
 
+    def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
+        """Batch sizes (ascending, each <= max_num_seqs) whose pure-decode steps the engine runs
+        through `compile(plan, DecodeGraphShape(size, ...))`, padding a smaller batch up to the
+        next size. Empty (the default): every step runs the plan eagerly."""
+        return []
+
     def compile(self, plan: Any, shape_key: Any) -> Any:
-        """Optional per-shape compilation of an execution plan; the default runs it as is."""
+        """Per-shape compilation of an execution plan: returns an object with the plan's
+        `run(feeds)`. For a DecodeGraphShape the engine calls it with the same input tensors
+        (persistent buffers, rewritten in place) on every step of that shape, so a device may
+        capture the first call and replay it (CUDA graphs). The default runs the plan as is."""
         return plan
+
+    def kv_cache_budget(self, profile_forward: Callable[[], None], utilization: float) -> int | None:
+        """Bytes the KV pool may take, measured: the device runs `profile_forward` (one forward
+        pass at the largest batch, weights already loaded), accounts its activation peak, and
+        returns utilization x total memory minus everything in use. None (the default): the
+        engine uses its fixed default budget."""
+        return None
 
     def require_available(self) -> None:
         a = self.is_available()

@@ -7,6 +7,7 @@ from tessellm.device import (
     AllocatorStats,
     Availability,
     CompletedEvent,
+    DecodeGraphShape,
     DeviceAllocator,
     DevicePlugin,
     Event,
@@ -24,6 +25,7 @@ from tessellm.plugin_spec import API_VERSION, hookimpl
 
 __all__ = [
     "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "CompletedEvent",
+    "DecodeGraphShape",
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
     "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream",
     "WeightLayout", "cache_root", "dequantize", "hookimpl", "quantize", "reference",

@@ -18,7 +18,10 @@ PROJECT = "tessellm"
 ENTRY_POINT_GROUP = "tessellm.plugins"
 # 1.1 (additive, plugins of 1.0 still load): packed weights (PackedWeight, PackedFormat,
 # quantize, dequantize) and kernel weight layouts (WeightLayout, Kernel.weight_layout).
-API_VERSION = "1.1"
+# 1.2 (additive): decode graphs (DevicePlugin.decode_graph_sizes, compile with a
+# DecodeGraphShape), measured KV budgets (DevicePlugin.kv_cache_budget), padding slots (-1) that
+# write_kv_cache kernels skip.
+API_VERSION = "1.2"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

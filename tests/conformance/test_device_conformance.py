@@ -7,6 +7,7 @@ device is skipped, with the reason, only when its plugin fails to load; sim must
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import pytest
@@ -17,7 +18,8 @@ from tessellm.errors import DeviceUnavailableError
 from tessellm.kernels import reference
 from tessellm.plugins import PluginManager
 
-DEVICE_NAMES = ["cpu", "sim"]
+# scripts/gpu_check.sh sets TESSELLM_TEST_DEVICES=cuda on a GPU machine
+DEVICE_NAMES = os.environ.get("TESSELLM_TEST_DEVICES", "cpu,sim,triton-interpret").split(",")
 ELEMENTWISE_OPS = {"add": 2, "mul": 2, "silu": 1, "silu_and_mul": 1, "gelu_tanh": 1}  # op -> inputs
 
 
@@ -26,6 +28,9 @@ def _small_allocator(name: str) -> Callable[[int], DeviceAllocator]:
     if name == "sim":
         from tessellm_sim.allocator import SimAllocator
         return SimAllocator
+    if name == "cuda":
+        from tessellm_cuda.allocator import CudaAllocator
+        return lambda capacity: CudaAllocator(torch.device("cuda"), capacity)
     return lambda capacity: DeviceAllocator("cpu", capacity)
 
 

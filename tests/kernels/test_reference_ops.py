@@ -183,6 +183,19 @@ def test_write_kv_cache_stores_each_token_at_its_slot() -> None:
     assert torch.equal(gk.flatten(1), k) and torch.equal(gv.flatten(1), v)
 
 
+def test_write_kv_cache_skips_padding_slots() -> None:
+    """Slot -1 marks a padding token of a graph-padded batch: nothing is written for it."""
+    g = _gen(9)
+    _, k, v = _sequence(4, g)
+    cache = torch.randn(2, 3, NKV, BS, HD, generator=g)
+    before = cache.clone()
+    ref.write_kv_cache(k, v, cache, torch.tensor([3, -1, BS + 2, -1]))
+    assert torch.equal(cache[0, 0, :, 3], k[0].view(NKV, HD))
+    assert torch.equal(cache[1, 1, :, 2], v[2].view(NKV, HD))
+    changed = (cache != before).any(dim=(0, 2, 4))    # [block, row]
+    assert changed.nonzero().tolist() == [[0, 3], [1, 2]]
+
+
 @pytest.mark.parametrize(("L", "chunk"), [(37, 37), (37, 11), (37, 1), (8, 8), (1, 1)])
 def test_paged_attention_equals_dense_causal_attention(L: int, chunk: int) -> None:
     """The sequence's K/V sit in shuffled blocks; the query is its last `chunk` tokens

@@ -17,6 +17,7 @@ checked against llama.cpp's reference ids in test_hf_parity.py).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,11 @@ from typing import Any
 
 import torch
 
-# shared/ sits beside the repository (CI lays a copy there); /work/shared on the dev machines.
+# shared/ sits beside the repository (CI lays a copy there); /work/shared on the dev machines;
+# TESSELLM_SHARED_DIR where neither is (scripts/gpu_check.sh on a GPU machine).
 _BESIDE = Path(__file__).resolve().parents[2].parent / "shared"
-SHARED = _BESIDE if _BESIDE.is_dir() else Path("/work/shared")
+SHARED = Path(os.environ["TESSELLM_SHARED_DIR"]) if os.environ.get("TESSELLM_SHARED_DIR") \
+    else _BESIDE if _BESIDE.is_dir() else Path("/work/shared")
 TOKENIZERS = SHARED / "tokenizers"
 STORIES_260K = SHARED / "models" / "stories260K-hf"
 GPT2_GGUF = TOKENIZERS / "gguf-vocab" / "ggml-vocab-gpt-2.gguf"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,10 +39,16 @@ GREEDY = SamplingParams(max_tokens=NUM_GREEDY, temperature=0.0, ignore_eos=True)
 ENGINE_OPTIONS = dict(max_num_seqs=4, block_size=16, num_kv_blocks=64)
 
 
+# The device under test: the CPU here and in CI; scripts/gpu_check.sh runs this file again with
+# TESSELLM_TEST_DEVICE=cuda (HF stays on the CPU in float32 as the reference).
+TEST_DEVICE = os.environ.get("TESSELLM_TEST_DEVICE", "cpu")
+
+
 def make_llm(path: Path, cache_dir: Path, **options: Any) -> LLM:
-    """An engine on the CPU (its KV pool is uninitialized memory, as in production)."""
-    return LLM(model=str(path), device="cpu", load_progress=False, cache_dir=str(cache_dir),
-               **options)
+    """An engine on the device under test (its KV pool is uninitialized memory, as in
+    production)."""
+    return LLM(model=str(path), device=TEST_DEVICE, load_progress=False,
+               cache_dir=str(cache_dir), **options)
 
 
 @dataclass

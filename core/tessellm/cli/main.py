@@ -28,12 +28,17 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kernel-selection", default=None, choices=["profile", "first"])
     p.add_argument("--threads", dest="num_threads", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of device memory the engine may use (devices that measure "
+                        "it: cuda; default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="run decode steps eagerly, without captured graphs (cuda)")
 
 
 def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
-            "quantization")
+            "quantization", "gpu_memory_utilization", "enforce_eager")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

@@ -13,9 +13,10 @@ import torch
 import tessellm
 from tessellm.config import EngineConfig
 from tessellm.device import DevicePlugin
-from tessellm.errors import ConfigError
+from tessellm.errors import ConfigError, DeviceUnavailableError
 from tessellm.graph.lowering import lower
 from tessellm.graph.passes import GraphPass, PassReport, default_passes, run_passes
+from tessellm.engine.memory_profile import profile_forward
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.profiler import KernelSelector, ProfileCache
 from tessellm.kernels.registry import KernelRegistry
@@ -126,12 +127,20 @@ def make_selector(config: EngineConfig, registry: KernelRegistry,
 
 
 def kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
-                   max_model_len: int) -> int:
+                   max_model_len: int, measured_bytes: int | None = None) -> int:
+    """num_kv_blocks, or as many blocks as the budget holds (kv_cache_bytes, else the device's
+    measured budget, else DEFAULT_KV_CACHE_BYTES), but no more than max_num_seqs sequences of
+    max_model_len tokens can use."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = (2 * config.block_size * spec.num_kv_heads * spec.head_dim
                  * torch.empty((), dtype=dtype).element_size() * spec.num_layers)
-    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    budget = config.kv_cache_bytes or measured_bytes or DEFAULT_KV_CACHE_BYTES
+    if measured_bytes is not None and measured_bytes < per_block:
+        raise DeviceUnavailableError(
+            f"no device memory left for the KV cache: {measured_bytes} bytes free after the "
+            f"weights and the activation peak, one block needs {per_block}; raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens")
     useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
     return max(1, min(budget // per_block, useful))
 
@@ -184,7 +193,12 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
              if loaded.packed_types else "")
     selector = make_selector(config, registry, device)
     plan = lower(graph, selector, dtype)
-    num_blocks = kv_block_count(config, spec, dtype, max_model_len)
+    measured = None
+    if config.num_kv_blocks is None and config.kv_cache_bytes is None:
+        measured = device.kv_cache_budget(
+            profile_forward(plan, spec, config, device, dtype, max_model_len),
+            config.gpu_memory_utilization)
+    num_blocks = kv_block_count(config, spec, dtype, max_model_len, measured)
     alloc = device.allocator()
     # one more physical block than usable ones: block 0 is the KV manager's null block
     kv_caches = [alloc.allocate((2, num_blocks + 1, spec.num_kv_heads, config.block_size,

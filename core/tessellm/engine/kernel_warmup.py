@@ -1,6 +1,7 @@
 """Kernel choice before the first request: every token bucket an engine can meet is
 profiled (or resolved by the kernel_selection policy) up front, then weights take the layout
-their kernels read (tessellm.graph.lowering.adopt_weight_layouts).
+their kernels read (tessellm.graph.lowering.adopt_weight_layouts), then the device's decode
+graphs are captured (after that warm-up, on padding rows only).
 
 Why up front: no request waits on a profile, a request's output never depends on when a
 bucket was first seen, and a weight is converted once with no plain copy left beside it. The
@@ -39,4 +40,9 @@ def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
     adopted = adopt_weight_layouts(engine.parts.plan, engine.parts.weights)
     if adopted:
         log.info("%d weight(s) converted to their kernels' layout", adopted)
+    if engine.runner.graph_sizes:
+        if progress:
+            print(f"tessellm: capturing decode graphs for batch sizes {engine.runner.graph_sizes}",
+                  file=sys.stderr, flush=True)
+        engine.runner.capture_decode_graphs()
     return choices

@@ -54,7 +54,9 @@ class LLMEngine:
         self.runner = ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
                                   c.max_num_batched_tokens, c.max_num_seqs,
                                   math.ceil(self.max_model_len / c.block_size),
-                                  parts.host_kv_caches)
+                                  parts.host_kv_caches,
+                                  graph_sizes=() if c.enforce_eager
+                                  else parts.device.decode_graph_sizes(c.max_num_seqs))
         self.stats = StepStats()
         self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
                                     c.block_size, self.kv.num_blocks)

@@ -12,9 +12,17 @@ on). The one host/device synchronization of a step is reading back the sampled t
 (counted in `host_syncs`); the previous step's staging buffers are therefore free again when
 the next step writes them. Row order follows
 the scheduler: decodes first, then prefills, as AttentionMetadata requires.
+
+Decode graphs: on a device with `decode_graph_sizes` (CUDA), a step whose rows are all decodes
+(one sampled token each) is padded up to the next captured size and run through
+`device.compile(plan, DecodeGraphShape(size, max_blocks_per_seq))`: padding rows have slot -1
+(nothing written), seq_len 1 and a table of block 0, block tables always have every column,
+and the inputs are the same persistent device buffers on every step, so a captured graph
+replays over them. Their logits rows past the real ones are dropped before sampling.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +31,7 @@ import numpy as np
 import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
-from tessellm.device import DevicePlugin, Event
+from tessellm.device import DecodeGraphShape, DevicePlugin, Event
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
 from tessellm.engine.sampler import Sampler, SampleRequest, TokenLogprobs
@@ -97,9 +105,10 @@ class BlockTableRows:
         return row
 
     def fill(self, out: np.ndarray, request_ids: list[str],
-             tables: list[Sequence[int]]) -> int:
-        """Write the rows of this step's requests into out[:len, :width]; returns width."""
-        width = max(1, max(len(t) for t in tables))
+             tables: list[Sequence[int]], width: int | None = None) -> int:
+        """Write the rows of this step's requests into out[:len, :width] (width: the longest
+        table unless given; columns past a table are 0); returns width."""
+        width = width or max(1, max((len(t) for t in tables), default=1))
         for i, (rid, table) in enumerate(zip(request_ids, tables)):
             out[i, :width] = self.row(rid, table)[:width]
         if len(self._rows) > 2 * self.max_rows:   # forget requests that left
@@ -112,7 +121,8 @@ class ModelRunner:
     def __init__(self, device: DevicePlugin, plan: ExecutionPlan, kv_caches: list[torch.Tensor],
                  block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  max_blocks_per_seq: int,
-                 host_kv_caches: list[torch.Tensor] | None = None) -> None:
+                 host_kv_caches: list[torch.Tensor] | None = None,
+                 graph_sizes: Sequence[int] = ()) -> None:
         self.device = device
         self.plan = plan
         self.kv_caches = kv_caches
@@ -132,6 +142,8 @@ class ModelRunner:
                          for k, (shape, dt) in shapes.items()}
         self.host_sampled = host.allocate((B,), torch.int64)
         self.table_rows = BlockTableRows(W, B)
+        self.graph_sizes = sorted(g for g in graph_sizes if 1 <= g <= B)
+        self._graphs: dict[int, object] = {}
         self.host_syncs = 0   # times the host blocked on the device (one per sampling step)
         self._zero_blocks([KVCacheManager.NULL_BLOCK])
 
@@ -177,6 +189,80 @@ class ModelRunner:
         self.device.wait_on_compute(landed)
         return views, landed
 
+    def _graph_size(self, s: StepInputs) -> int | None:
+        """The captured size a pure-decode step is padded to; None: run it eagerly."""
+        n = len(s.query_lens)
+        if not self.graph_sizes or s.num_decodes != n or n > self.graph_sizes[-1] \
+                or len(s.logits_indices) != n:   # forks sample one row twice: eager
+            return None
+        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
+
+    def _plan_for(self, graph_size: int | None):
+        if graph_size is None:
+            return self.plan
+        compiled = self._graphs.get(graph_size)
+        if compiled is None:
+            compiled = self.device.compile(
+                self.plan, DecodeGraphShape(graph_size, self.table_rows.width))
+            self._graphs[graph_size] = compiled
+        return compiled
+
+    def _forward(self, s: StepInputs, request_ids: list[str], graph_size: int | None,
+                 swapped_in: Event | None) -> tuple[torch.Tensor, Event]:
+        """Stage and upload the step's inputs (padded to `graph_size` when given), run the plan
+        or its graph; returns the logits of the real rows (enqueued) and the upload event."""
+        n = len(s.query_lens)
+        tables_np = self.host_bufs["block_tables"].numpy()
+        if graph_size is None:
+            width = self.table_rows.fill(tables_np, request_ids, s.block_tables)
+            rows = n
+            ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
+            seq_lens, query_lens, logits_idx = s.seq_lens, s.query_lens, s.logits_indices or [0]
+            num_decodes = s.num_decodes
+        else:
+            pad = graph_size - n
+            width = self.table_rows.fill(tables_np, request_ids, s.block_tables,
+                                         width=self.table_rows.width)
+            tables_np[n:graph_size] = 0
+            rows = graph_size
+            ids, pos = s.token_ids + [0] * pad, s.positions + [0] * pad
+            slots = s.slot_mapping + [-1] * pad
+            seq_lens, query_lens = s.seq_lens + [1] * pad, s.query_lens + [1] * pad
+            logits_idx = list(range(graph_size))
+            num_decodes = graph_size
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        dev, uploaded = self._upload({
+            "input_ids": ids, "positions": pos, "slot_mapping": slots,
+            "block_tables": (rows, width), "seq_lens": seq_lens, "query_start_loc": qsl,
+            "logits_indices": logits_idx})
+        meta = AttentionMetadata(
+            num_decodes=num_decodes, num_prefills=len(query_lens) - num_decodes,
+            num_decode_tokens=num_decodes, num_prefill_tokens=len(ids) - num_decodes,
+            block_size=self.block_size, slot_mapping=dev["slot_mapping"],
+            block_tables=dev["block_tables"], seq_lens=dev["seq_lens"],
+            query_start_loc=dev["query_start_loc"], seq_lens_host=seq_lens,
+            query_lens_host=query_lens, max_seq_len=max(seq_lens),
+            max_query_len=max(query_lens))
+        feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
+                 "logits_indices": dev["logits_indices"]}
+        feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
+        if swapped_in is not None:
+            self.swapper.wait_for_compute(swapped_in)
+        logits = self._plan_for(graph_size).run(feeds)   # asynchronous device: enqueued only
+        return (logits if graph_size is None else logits[:n]), uploaded
+
+    def capture_decode_graphs(self) -> int:
+        """Run (and so capture) every decode graph size once on padding rows only, largest
+        first, before any request; returns how many sizes there are."""
+        for size in reversed(self.graph_sizes):
+            empty = StepInputs([], [], [], [], [], [], [], [], 0)
+            _, uploaded = self._forward(empty, [], size, None)
+            self.device.synchronize()
+            self.wait(uploaded)
+        return len(self.graph_sizes)
+
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], list[int], list[TokenLogprobs | None]]:
@@ -185,32 +271,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         swapped_in = self.apply_block_ops(out, kv)
         s = build_step_inputs(out, kv)
-        rows = len(s.block_tables)
-        tables_np = self.host_bufs["block_tables"].numpy()
-        width = self.table_rows.fill(
-            tables_np, [sched.request.request_id for sched in out.scheduled], s.block_tables)
-        qsl = [0]
-        for q in s.query_lens:
-            qsl.append(qsl[-1] + q)
-        dev, uploaded = self._upload({
-            "input_ids": s.token_ids, "positions": s.positions, "slot_mapping": s.slot_mapping,
-            "block_tables": (rows, width), "seq_lens": s.seq_lens, "query_start_loc": qsl,
-            "logits_indices": s.logits_indices or [0]})
-        n_dec = s.num_decodes
-        meta = AttentionMetadata(
-            num_decodes=n_dec, num_prefills=len(s.query_lens) - n_dec, num_decode_tokens=n_dec,
-            num_prefill_tokens=len(s.token_ids) - n_dec, block_size=self.block_size,
-            slot_mapping=dev["slot_mapping"], block_tables=dev["block_tables"],
-            seq_lens=dev["seq_lens"], query_start_loc=dev["query_start_loc"],
-            seq_lens_host=s.seq_lens, query_lens_host=s.query_lens,
-            max_seq_len=max(s.seq_lens), max_query_len=max(s.query_lens))
-        feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
-                 "logits_indices": dev["logits_indices"][:max(1, len(s.logits_indices))]}
-        feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
-        if swapped_in is not None:
-            self.swapper.wait_for_compute(swapped_in)
         t1 = time.perf_counter()
-        logits = self.plan.run(feeds)   # on an asynchronous device: enqueued, not finished
+        logits, uploaded = self._forward(
+            s, [sched.request.request_id for sched in out.scheduled], self._graph_size(s),
+            swapped_in)
         t2 = time.perf_counter()
         self.stage_times.add("prepare_inputs", t1 - t0)
         self.stage_times.add("execute", t2 - t1)

@@ -5,7 +5,9 @@ prefills (one or more query tokens: a prompt chunk, or a recomputation). Tokens 
 in that order. For sequence i, its query tokens are rows query_start_loc[i]:query_start_loc[i+1]
 and they sit at positions seq_lens[i] - query_len .. seq_lens[i]-1 of the sequence; its KV lives
 in blocks block_tables[i, :ceil(seq_lens[i] / block_size)]. Slot s is row s % block_size of
-block s // block_size.
+block s // block_size. A slot of -1 marks a padding token (a decode batch padded to a captured
+graph's size): write_kv_cache writes nothing for it, and its sequence (seq_len 1, a table of
+block 0) produces an output row nobody reads.
 
 KV cache of one layer: a tensor [2, num_blocks, num_kv_heads, block_size, head_dim] (K then V;
 head-major inside a block, so one head's rows of a block are contiguous).

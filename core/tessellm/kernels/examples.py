@@ -128,9 +128,11 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
     if op == "write_kv_cache":
         nkv, hd = d["num_kv_heads"], d["head_dim"]
         nblocks = math.ceil(T / EXAMPLE_BLOCK_SIZE) * 2
-        slots = torch.randperm(nblocks * EXAMPLE_BLOCK_SIZE, generator=gen)[:T].to(dev)
+        slots = torch.randperm(nblocks * EXAMPLE_BLOCK_SIZE, generator=gen)[:T]
+        if T >= 2:   # a padding token: a kernel that writes it changes the prior cache contents
+            slots[-1] = -1
         return [_randn(gen, (T, nkv * hd), dt, dev), _randn(gen, (T, nkv * hd), dt, dev),
-                torch.zeros((2, nblocks, nkv, EXAMPLE_BLOCK_SIZE, hd), dtype=dt, device=dev), slots]
+                _randn(gen, (2, nblocks, nkv, EXAMPLE_BLOCK_SIZE, hd), dt, dev), slots.to(dev)]
     if op in ("attention_decode", "attention_prefill"):
         return _attention_example(query, dev, gen)
     raise KernelError(f"no example inputs defined for op {op!r}")

@@ -136,6 +136,10 @@ class KernelSelector:
         decision = self.decide(query, candidates)
         return next(k for k in candidates if k.name == decision.choice)
 
+    def chosen(self) -> dict[KernelQuery, str]:
+        """Every query answered so far -> the kernel chosen for it."""
+        return {q: k.name for q, k in self._chosen.items()}
+
     def best(self, query: KernelQuery, accept: Callable[[Kernel], bool]) -> Kernel | None:
         """The fastest candidate `accept` takes that the profile found correct (None if no
         such candidate, or the policy does not profile)."""

@@ -102,11 +102,14 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Store each token's K and V at its slot. k, v: [num_tokens, num_kv_heads * head_dim]."""
+    """Store each token's K and V at its slot. k, v: [num_tokens, num_kv_heads * head_dim].
+    A negative slot marks a padding token (a graph-padded batch): nothing is written for it."""
     _, _, num_kv_heads, block_size, head_dim = kv_cache.shape
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    kv_cache[0, blocks, :, offsets] = k.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
-    kv_cache[1, blocks, :, offsets] = v.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, :, offsets] = k.view(-1, num_kv_heads, head_dim)[keep].to(kv_cache.dtype)
+    kv_cache[1, blocks, :, offsets] = v.view(-1, num_kv_heads, head_dim)[keep].to(kv_cache.dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,

@@ -58,6 +58,9 @@ def rotary_neox(positions, q, k, cos_sin, head_dim):
 
 def write_kv_index_copy(k, v, kv_cache, slot_mapping):
     _, _, nkv, block_size, hd = kv_cache.shape
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:   # padding tokens: not written
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     index = (slot_mapping // block_size, slice(None), slot_mapping % block_size)
     kv_cache[0][index] = k.view(-1, nkv, hd).to(kv_cache.dtype)
     kv_cache[1][index] = v.view(-1, nkv, hd).to(kv_cache.dtype)
