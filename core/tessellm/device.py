@@ -46,6 +46,33 @@ class DecodeGraphShape:
     max_blocks: int
 
 
+@dataclass(slots=True, frozen=True)
+class StaticShapes:
+    """The step shapes a device compiles once each (`DevicePlugin.static_shapes`): every step is
+    padded up to the smallest token bucket >= its tokens and sequence bucket >= its sequences
+    (and its logits rows to that sequence bucket); block tables always have every column.
+    Each bucket list is ascending and ends at the engine's limit."""
+
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, sequences) pair a step can be padded to (sequences <= tokens)."""
+        return [(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t]
+
+
+@dataclass(slots=True, frozen=True)
+class StaticStepShape:
+    """The shape key of `DevicePlugin.compile` for a padded step of a static-shape device:
+    `num_tokens` token rows (rows past the real ones are padding: slot -1, outside every
+    sequence), `num_seqs` sequences (past the real ones: query_len 0, seq_len 0), all treated
+    as prefills (num_decodes 0), block tables of `max_blocks` columns."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+
+
 @dataclass(slots=True)
 class AllocatorStats:
     capacity_bytes: int
@@ -239,6 +266,22 @@ class DevicePlugin(ABC):
         (persistent buffers, rewritten in place) on every step of that shape, so a device may
         capture the first call and replay it (CUDA graphs). The default runs the plan as is."""
         return plan
+
+    def static_shapes(self, max_num_batched_tokens: int, max_num_seqs: int) -> StaticShapes | None:
+        """Buckets for a device that compiles per shape (XLA): the engine then pads every step
+        to a StaticStepShape, runs it through `compile(plan, shape)`, pads the blocks it zeroes
+        to powers of two, and compiles every shape before the first request. None (the
+        default): steps run at their own sizes."""
+        return None
+
+    def kernels_not_offered(self) -> dict[str, str]:
+        """Kernels this device has but does not offer here (read after `kernels()`), name ->
+        reason, e.g. a native kernel that failed to build; `tessellm plugins` shows them."""
+        return {}
+
+    def runtime_counters(self) -> dict[str, float]:
+        """Device-specific counters for metrics and tests (e.g. XLA's compilations)."""
+        return {}
 
     def kv_cache_budget(self, profile_forward: Callable[[], None], utilization: float) -> int | None:
         """Bytes the KV pool may take, measured: the device runs `profile_forward` (one forward

@@ -8,6 +8,8 @@ from tessellm.device import (
     Availability,
     CompletedEvent,
     DecodeGraphShape,
+    StaticShapes,
+    StaticStepShape,
     DeviceAllocator,
     DevicePlugin,
     Event,
@@ -16,7 +18,7 @@ from tessellm.device import (
     SynchronousStream,
     TransferStream,
 )
-from tessellm.kernels import reference
+from tessellm.kernels import portable, reference
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.registry import Kernel, KernelQuery, WeightLayout
 from tessellm.paths import cache_root
@@ -25,8 +27,8 @@ from tessellm.plugin_spec import API_VERSION, hookimpl
 
 __all__ = [
     "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "CompletedEvent",
-    "DecodeGraphShape",
+    "DecodeGraphShape", "StaticShapes", "StaticStepShape",
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
     "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream",
-    "WeightLayout", "cache_root", "dequantize", "hookimpl", "quantize", "reference",
+    "WeightLayout", "cache_root", "dequantize", "hookimpl", "quantize", "portable", "reference",
 ]

@@ -20,7 +20,9 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # quantize, dequantize) and kernel weight layouts (WeightLayout, Kernel.weight_layout).
 # 1.2 (additive): decode graphs (DevicePlugin.decode_graph_sizes, compile with a
 # DecodeGraphShape), measured KV budgets (DevicePlugin.kv_cache_budget), padding slots (-1) that
-# write_kv_cache kernels skip.
+# write_kv_cache kernels skip, static-shape steps (DevicePlugin.static_shapes, compile with a
+# StaticStepShape), DevicePlugin.runtime_counters and kernels_not_offered, the portable
+# kernels (plugin_api.portable), the sample_tokens op.
 API_VERSION = "1.2"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -11,6 +11,9 @@ A loaded plugin may still carry an `error` (a kernel for an unknown device, a fa
 `tessellm_kernels` hook, ...): it stays loaded and the message says what was ignored.
 Errors read "ExcType: message". Devices keep their probe result in a DeviceRecord; a device
 whose `is_available()` or `kernels()` raises is unavailable with that error as the reason.
+An available device may still leave out kernels it has but cannot run here (a native kernel
+that failed to build): a device that defines `kernels_not_offered()` (kernel name -> reason,
+read after `kernels()`) has them recorded on its DeviceRecord and shown by `tessellm plugins`.
 
 Ordering: plugins are handled in entry-point order; a device's own kernels are registered before
 kernels other plugins add through `tessellm_kernels` (KernelRegistry keeps that order).
@@ -38,6 +41,8 @@ class DeviceRecord:
     priority: int
     available: bool
     reason: str
+    # kernels the device has but does not offer here, name -> reason (kernels_not_offered())
+    not_offered: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -236,6 +241,7 @@ class PluginManager:
                 rec.reason = why if rec.available else f"{rec.reason}; {why}"
                 rec.available = False
                 continue
+            rec.not_offered = _not_offered(dev, owner[rec.plugin])
             for kernel in kernels:
                 self._register(registry, kernel, owner[rec.plugin], expect_device=dev.name)
         for record, plugin in self._loaded_plugins():
@@ -321,9 +327,31 @@ class PluginManager:
         return [{
             "plugin": r.name, "value": r.value, "version": r.version, "status": r.status,
             "error": r.error,
-            "devices": [{"name": d.name, "priority": d.priority, "available": d.available,
-                         "reason": d.reason} for d in r.devices],
+            "devices": [_device_row(d) for d in r.devices],
         } for r in self.records]
+
+
+def _device_row(d: DeviceRecord) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": d.name, "priority": d.priority, "available": d.available,
+                           "reason": d.reason}
+    if d.not_offered:   # only where some kernel is left out, so the usual row stays as it was
+        row["kernels_not_offered"] = dict(d.not_offered)
+    return row
+
+
+def _not_offered(dev: DevicePlugin, record: PluginRecord) -> dict[str, str]:
+    """The device's `kernels_not_offered()` (optional), checked; a failure of it is an error
+    on the plugin's record, never a reason to drop the device."""
+    hook = getattr(dev, "kernels_not_offered", None)
+    if hook is None:
+        return {}
+    try:
+        result = hook()
+        return {str(name): str(why) for name, why in dict(result).items()}
+    except Exception as exc:
+        record.add_error(f"device {dev.name!r}: kernels_not_offered() failed: "
+                         f"{describe_exception(exc)} (ignored)")
+        return {}
 
 
 def _probe(dev: DevicePlugin) -> tuple[bool, str]:

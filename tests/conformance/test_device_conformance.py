@@ -28,6 +28,9 @@ def _small_allocator(name: str) -> Callable[[int], DeviceAllocator]:
     if name == "sim":
         from tessellm_sim.allocator import SimAllocator
         return SimAllocator
+    if name == "xla":
+        import torch_xla
+        return lambda capacity: DeviceAllocator(torch_xla.device(), capacity)
     if name == "cuda":
         from tessellm_cuda.allocator import CudaAllocator
         return lambda capacity: CudaAllocator(torch.device("cuda"), capacity)
@@ -114,7 +117,7 @@ def test_copy_then_wait_gives_the_data(device: DevicePlugin) -> None:
     assert isinstance(event, Event)
     event.wait()
     assert event.query()
-    torch.testing.assert_close(dst, torch.arange(64, dtype=torch.float32))
+    torch.testing.assert_close(dst.cpu(), torch.arange(64, dtype=torch.float32))
     back = device.host_allocator().allocate((64,), torch.float32)
     stream.copy(back, dst).wait()
     torch.testing.assert_close(back, host)
@@ -129,7 +132,7 @@ def test_record_event_waits_for_every_earlier_copy(device: DevicePlugin) -> None
     stream.record_event().wait()
     assert all(e.query() for e in events)
     for d, s in zip(dsts, sources):
-        torch.testing.assert_close(d, s)
+        torch.testing.assert_close(d.cpu(), s.cpu())
         alloc.free(d)
 
 
@@ -166,7 +169,7 @@ def test_upload_returns_equal_data_accounted_under_its_tag(device: DevicePlugin)
     before = alloc.stats().allocated_bytes
     host = torch.randn(8, 16)
     up = device.upload(host, "conformance_weights")
-    torch.testing.assert_close(up, host)
+    torch.testing.assert_close(up.cpu(), host)
     assert alloc.stats().by_tag["conformance_weights"] == host.numel() * 4
     alloc.free(up)
     assert alloc.stats().allocated_bytes == before
@@ -202,7 +205,7 @@ def test_elementwise_kernels_match_the_reference(device: DevicePlugin, manager: 
             hosts = [torch.randn(4, 8, generator=gen) for _ in range(arity)]
             inputs = [device.upload(h, "conformance_kernel_input") for h in hosts]
             try:
-                torch.testing.assert_close(kernel.fn(*inputs), ref(*hosts), msg=lambda m: f"{kernel.name}: {m}")
+                torch.testing.assert_close(kernel.fn(*inputs).cpu(), ref(*hosts), msg=lambda m: f"{kernel.name}: {m}")
             finally:
                 for t in inputs:
                     device.allocator().free(t)

@@ -1,6 +1,7 @@
 """The CUDA plugin's Triton kernels end to end, on CPU tensors through Triton's interpreter
 (device `triton-interpret`): the real stories260K model against transformers' greedy tokens,
-and the kernel table showing the Triton kernels chosen (each checked against the reference)."""
+seeded random sampling (the Triton sample kernel) against the cpu device's tokens, and the
+kernel table showing the Triton kernels chosen (each checked against the reference)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,8 @@ from tessellm.plugins import PluginManager
 TRITON_OPS = {"attention_decode": "decode_triton_paged", "attention_prefill": "prefill_triton_paged",
               "write_kv_cache": "write_kv_triton", "rms_norm": "rms_norm_triton",
               "fused_add_rms_norm": "fused_add_rms_norm_triton",
-              "rotary_embedding": "rotary_triton", "silu_and_mul": "silu_and_mul_triton"}
+              "rotary_embedding": "rotary_triton", "silu_and_mul": "silu_and_mul_triton",
+              "sample_tokens": "sample_triton"}
 
 
 def test_devices_report_why_they_are_or_are_not_available() -> None:
@@ -38,6 +40,27 @@ def test_stories_greedy_matches_reference(stories_dir) -> None:
     used = {q.op: name for q, name in llm.engine.parts.selector.chosen().items()}
     for op, name in TRITON_OPS.items():
         assert used.get(op) == name, (op, used.get(op))
+
+
+@pytest.mark.slow
+def test_stories_seeded_sampling_matches_cpu(stories_dir) -> None:
+    from tessellm_cuda.triton_ops import sampling
+    prompts = ["Once upon a time", "The little dog", "A bird"]
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7),
+              SamplingParams(max_tokens=16, temperature=1.2, top_k=20, min_p=0.05, seed=3),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=11)]
+    tokens = {}
+    for device in ("cpu", "triton-interpret"):
+        llm = LLM(str(stories_dir), device=device, dtype="float32", load_progress=False,
+                  max_num_seqs=4, max_num_batched_tokens=64)
+        tokens[device] = [o.token_ids for o in llm.generate(prompts, params)]
+        select = llm.engine.runner.sampler.select_kernel
+        if device == "cpu":
+            assert select is None   # no sample_tokens kernel: the reference op runs
+        else:
+            assert select(3, llm.engine.parts.spec.vocab_size) is sampling.sample_tokens
+    assert tokens["triton-interpret"] == tokens["cpu"]
+    assert all(len(t) == 16 for t in tokens["cpu"])
 
 
 @pytest.mark.slow

@@ -238,3 +238,75 @@ def test_paged_attention_keeps_the_query_dtype() -> None:
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), _dense_causal(q, k, v, HD ** -0.5),
                                rtol=1.6e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------ sampling
+
+def _kept_by_hand(x: list[float], k: int, top_p: float, min_p: float) -> list[int]:
+    """The tokens a row keeps, by the contract's words, in float64 Python."""
+    vocab = len(x)
+    keep = list(range(vocab))
+    if k < vocab:
+        kth = sorted(x, reverse=True)[k - 1]
+        keep = [i for i in keep if x[i] >= kth]
+    if top_p < 1.0:
+        z = sum(math.exp(x[i]) for i in keep)
+        mass, cutoff = 0.0, None
+        for i in sorted(keep, key=lambda i: -x[i]):
+            if mass >= top_p:
+                break
+            cutoff = x[i]
+            mass += math.exp(x[i]) / z
+        keep = [i for i in keep if x[i] >= cutoff]
+    if min_p > 0.0:
+        top = max(x[i] for i in keep)
+        keep = [i for i in keep if math.exp(x[i] - top) >= min_p]
+    return keep
+
+
+def _sample_args(rows: int, vocab: int, g: torch.Generator, params) -> list[torch.Tensor]:
+    temperature, top_k, top_p, min_p = zip(*params)
+    return [torch.randn(rows, vocab, generator=g) * 3, torch.tensor(temperature),
+            torch.tensor(top_k, dtype=torch.int64), torch.tensor(top_p), torch.tensor(min_p),
+            torch.empty(rows, vocab).exponential_(generator=g).clamp_min_(1e-38)]
+
+
+SAMPLE_PARAMS = [(1.0, 100, float("inf"), 0.0), (0.7, 5, float("inf"), 0.0),
+                 (1.3, 100, 0.6, 0.0), (1.0, 100, float("inf"), 0.2), (0.9, 12, 0.8, 0.05),
+                 (1.5, 1, float("inf"), 0.0), (1.0, 100, 1e-6, 0.0), (1.0, 100, 1.0, 0.0)]
+
+
+def test_sample_tokens_draws_the_race_winner_among_the_kept_tokens() -> None:
+    g = _gen(20)
+    args = _sample_args(len(SAMPLE_PARAMS), 100, g, SAMPLE_PARAMS)
+    logits, _, _, _, _, noise = args
+    got = ref.sample_tokens(*args)
+    assert got.dtype == torch.int64
+    for row, (t, k, p, mp) in enumerate(SAMPLE_PARAMS):
+        x = (logits[row].double() / t).tolist()
+        kept = _kept_by_hand(x, k, p, mp)
+        winner = max(kept, key=lambda i: math.exp(x[i]) / noise[row, i].item())
+        assert got[row].item() == winner, row
+
+
+def test_sample_tokens_hints_and_off_values_never_change_a_token() -> None:
+    """Skipping a filter no row uses, bounding topk by max_top_k, and top_p 1.0 vs +inf give
+    the same tokens as running every filter."""
+    g = _gen(21)
+    args = _sample_args(len(SAMPLE_PARAMS), 100, g, SAMPLE_PARAMS)
+    full = ref.sample_tokens(*args)
+    on_k = [k for _, k, _, _ in SAMPLE_PARAMS if k < 100]
+    assert torch.equal(ref.sample_tokens(*args, max_top_k=max(on_k)), full)
+    top_k_rows = [i for i, (_, k, p, mp) in enumerate(SAMPLE_PARAMS)
+                  if k < 100 and p >= 1.0 and mp == 0.0]
+    sub = [a[top_k_rows] for a in args]
+    assert torch.equal(ref.sample_tokens(*sub, use_top_p=False, use_min_p=False,
+                                         max_top_k=max(on_k)), full[top_k_rows])
+    plain = [i for i, (_, k, p, mp) in enumerate(SAMPLE_PARAMS)
+             if k >= 100 and p >= 1.0 and mp == 0.0]
+    sub = [a[plain] for a in args]
+    assert torch.equal(ref.sample_tokens(*sub, use_top_k=False, use_top_p=False,
+                                         use_min_p=False), full[plain])
+    one = list(args)
+    one[3] = torch.where(args[3] >= 1.0, 1.0, args[3])
+    assert torch.equal(ref.sample_tokens(*one), full)

@@ -8,17 +8,20 @@ from contextlib import contextmanager
 import torch
 
 from tessellm import LLM, SamplingParams
+from tessellm.engine.model_runner import PADDING_ROW
 from tessellm.engine.sampler import SampleRequest, SamplerOutput
 
 
 @contextmanager
 def recorded_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
-    """Every logits batch the sampler receives, in call order, copied."""
+    """Every logits batch the sampler receives, in call order, copied to the host, without
+    the rows a padded step adds (PADDING_ROW)."""
     seen: list[torch.Tensor] = []
     sampler = llm.engine.runner.sampler
 
     def record(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
-        seen.append(logits.detach().clone())
+        real = sum(1 for r in rows if r is not PADDING_ROW)
+        seen.append(logits[:real].detach().cpu().clone())
         return sampler(logits, rows)
 
     llm.engine.runner.sampler = record

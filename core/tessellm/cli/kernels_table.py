@@ -1,4 +1,5 @@
-"""`tessellm kernels`: the profiler's ranking per op for a model's graph on a device."""
+"""`tessellm kernels`: the profiler's ranking per op for a model's graph on a device (and
+for the sampler's `sample_tokens` op, with the buckets as rows, where the device has it)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ from typing import Any
 
 from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
+from tessellm.engine.sampler import SAMPLE_OP, sample_kernel_query
 from tessellm.graph.lowering import AttentionSite, KernelSite
 from tessellm.kernels.registry import KernelQuery
 
@@ -28,8 +30,11 @@ def plan_queries(plan, buckets: list[int]) -> list[KernelQuery]:
 def print_kernel_rankings(model: str | None, options: dict[str, Any], buckets: list[int],
                           as_json: bool = False) -> None:
     parts = build_engine_parts(EngineConfig(model=model, load_progress=False, **options))
+    queries = plan_queries(parts.plan, buckets)
+    if parts.selector.registry.has_op(parts.selector.device_name, SAMPLE_OP):   # the sampler's op
+        queries += [sample_kernel_query(b, parts.spec.vocab_size) for b in buckets]
     rows = []
-    for q in plan_queries(parts.plan, buckets):
+    for q in queries:
         d = parts.selector.decide(q)
         rows.append({"query": q.bucket_key, "choice": d.choice,
                      "ranking": [{"kernel": c.name, "best_us": c.best_us,

@@ -26,6 +26,8 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit (default: the model's)")
     p.add_argument("--kernel-selection", default=None, choices=["profile", "first"])
     p.add_argument("--threads", dest="num_threads", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -38,7 +40,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
 def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
-            "quantization", "gpu_memory_utilization", "enforce_eager")
+            "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
@@ -68,6 +70,9 @@ def cmd_plugins(a: argparse.Namespace) -> int:
         for d in r.get("devices", []):
             state = "available" if d["available"] else f"unavailable: {d['reason']}"
             print(f"    device {d['name']} (priority {d['priority']}): {state}")
+            for kernel, why in d.get("kernels_not_offered", {}).items():
+                why = why.replace("\n", "\n            ")   # a compiler's output, indented
+                print(f"        kernel {kernel} not offered: {why}")
     return 0
 
 

@@ -1,7 +1,9 @@
 """Kernel choice before the first request: every token bucket an engine can meet is
-profiled (or resolved by the kernel_selection policy) up front, then weights take the layout
-their kernels read (tessellm.graph.lowering.adopt_weight_layouts), then the device's decode
-graphs are captured (after that warm-up, on padding rows only).
+profiled (or resolved by the kernel_selection policy) up front, and so is the sampler's
+`sample_tokens` kernel for every bucket of rows up to max_num_seqs (on a device that has
+one); then weights take the layout their kernels read
+(tessellm.graph.lowering.adopt_weight_layouts), then the device's decode graphs are captured
+(after that warm-up, on padding rows only).
 
 Why up front: no request waits on a profile, a request's output never depends on when a
 bucket was first seen, and a weight is converted once with no plain copy left beside it. The
@@ -13,7 +15,9 @@ import logging
 import sys
 
 from tessellm.engine.llm_engine import LLMEngine
+from tessellm.engine.sampler import SAMPLE_OP, sample_kernel_query
 from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
+from tessellm.kernels.profiler import token_bucket
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,16 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets
 
 
+def _select_sample_kernel(engine: LLMEngine, bucket: int) -> dict[str, str]:
+    """The random-sampling kernel for `bucket` rows (rows are sampled sequences, so buckets
+    up to max_num_seqs), where the device has one; else the sampler runs the reference."""
+    selector = engine.parts.selector
+    if not selector.registry.has_op(selector.device_name, SAMPLE_OP):
+        return {}
+    query = sample_kernel_query(bucket, engine.parts.spec.vocab_size)
+    return {query.bucket_key: selector.select(query).name}
+
+
 def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
     """Choose every kernel for every reachable bucket; returns {bucket key: kernel name}."""
     c = engine.parts.config
@@ -37,12 +51,18 @@ def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
             print(f"tessellm: profiling kernels, token bucket {b} ({i + 1}/{len(buckets)})",
                   file=sys.stderr, flush=True)
         choices.update(select_all_kernels(engine.parts.plan, b, c.max_num_seqs))
+        if b <= token_bucket(c.max_num_seqs):
+            choices.update(_select_sample_kernel(engine, b))
     adopted = adopt_weight_layouts(engine.parts.plan, engine.parts.weights)
     if adopted:
         log.info("%d weight(s) converted to their kernels' layout", adopted)
-    if engine.runner.graph_sizes:
+    runner = engine.runner
+    if runner.graph_sizes or runner.static_shapes is not None:
         if progress:
-            print(f"tessellm: capturing decode graphs for batch sizes {engine.runner.graph_sizes}",
-                  file=sys.stderr, flush=True)
-        engine.runner.capture_decode_graphs()
+            what = (f"decode graphs for batch sizes {runner.graph_sizes}" if runner.graph_sizes
+                    else f"{len(runner.static_shapes.shapes())} static step shapes "
+                         f"(tokens {list(runner.static_shapes.token_buckets)} x sequences "
+                         f"{list(runner.static_shapes.seq_buckets)})")
+            print(f"tessellm: compiling {what}", file=sys.stderr, flush=True)
+        runner.precompile()
     return choices

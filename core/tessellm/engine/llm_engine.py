@@ -4,14 +4,19 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner
 from tessellm.engine.request_limits import RequestLimits
+from tessellm.engine.sampler import SAMPLE_OP, SelectSampleKernel, sample_kernel_query
 from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import InvalidRequestError, TessellmError
+from tessellm.kernels.profiler import KernelSelector, token_bucket
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SLAConfig
@@ -35,6 +40,22 @@ class StepStats:
     num_swapped_in_blocks: int = 0    # and back
 
 
+def sample_kernel_select(selector: KernelSelector) -> SelectSampleKernel | None:
+    """The Sampler's kernel choice for random rows: the device's `sample_tokens` kernel for
+    the rows' token bucket, chosen (profiled, cached) by the selector like any other op. A
+    device with no kernel for the op (cpu) gets None: the Sampler then runs the torch
+    reference (reference.sample_tokens) on the device, which is device-agnostic; this is the
+    documented default, not an error. (sim registers every reference op as its own kernel,
+    so it takes the selector path with the reference inside.)"""
+    if not selector.registry.has_op(selector.device_name, SAMPLE_OP):
+        return None
+
+    def select(rows: int, vocab: int) -> Callable[..., torch.Tensor]:
+        return selector.select(sample_kernel_query(token_bucket(rows), vocab)).fn
+
+    return select
+
+
 class LLMEngine:
     def __init__(self, parts: EngineParts) -> None:
         c = parts.config
@@ -56,7 +77,10 @@ class LLMEngine:
                                   math.ceil(self.max_model_len / c.block_size),
                                   parts.host_kv_caches,
                                   graph_sizes=() if c.enforce_eager
-                                  else parts.device.decode_graph_sizes(c.max_num_seqs))
+                                  else parts.device.decode_graph_sizes(c.max_num_seqs),
+                                  select_sample_kernel=sample_kernel_select(parts.selector),
+                                  static_shapes=parts.device.static_shapes(
+                                      c.max_num_batched_tokens, c.max_num_seqs))
         self.stats = StepStats()
         self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
                                     c.block_size, self.kv.num_blocks)

@@ -18,7 +18,15 @@ Decode graphs: on a device with `decode_graph_sizes` (CUDA), a step whose rows a
 `device.compile(plan, DecodeGraphShape(size, max_blocks_per_seq))`: padding rows have slot -1
 (nothing written), seq_len 1 and a table of block 0, block tables always have every column,
 and the inputs are the same persistent device buffers on every step, so a captured graph
-replays over them. Their logits rows past the real ones are dropped before sampling.
+replays over them.
+
+Static shapes: on a device with `static_shapes` (XLA), every step is padded to a
+StaticStepShape (tokens and sequences to their buckets, all rows treated as prefills, padding
+tokens outside every sequence with slot -1, padding sequences empty), the blocks it zeroes are
+padded to a power of two with the null block, and `precompile` runs each shape once on padding
+alone before the first request, so serving compiles nothing new.
+
+Padded logits rows are sampled greedily as dummy rows and dropped after the readback.
 """
 from __future__ import annotations
 
@@ -31,14 +39,36 @@ import numpy as np
 import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
-from tessellm.device import DecodeGraphShape, DevicePlugin, Event
+from tessellm.device import DecodeGraphShape, DevicePlugin, Event, StaticShapes, StaticStepShape
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
-from tessellm.engine.sampler import Sampler, SampleRequest, TokenLogprobs
+from tessellm.engine.sampler import SampleRequest, Sampler, SelectSampleKernel, TokenLogprobs
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.request import Request
+from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import SchedulerOutput
+
+# what the sampler gets for a padded logits row (a static shape or a decode graph's padding):
+# greedy, so it costs one argmax and changes nothing; its token is dropped
+PADDING_ROW = SampleRequest(SamplingParams(temperature=0.0), 0, (), ())
+
+
+@dataclass(slots=True, frozen=True)
+class StepPadding:
+    """What a step is padded to: `num_tokens` rows, `num_seqs` sequences, logits rows as many
+    as sequences; `decode` keeps every row a decode (graph steps), else all are prefills.
+    `key` is the shape the device compiles the plan for."""
+
+    num_tokens: int
+    num_seqs: int
+    decode: bool
+    key: object
+
+
+def bucket_at_least(buckets: Sequence[int], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 @dataclass(slots=True)
@@ -122,12 +152,14 @@ class ModelRunner:
                  block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
                  max_blocks_per_seq: int,
                  host_kv_caches: list[torch.Tensor] | None = None,
-                 graph_sizes: Sequence[int] = ()) -> None:
+                 graph_sizes: Sequence[int] = (),
+                 select_sample_kernel: SelectSampleKernel | None = None,
+                 static_shapes: StaticShapes | None = None) -> None:
         self.device = device
         self.plan = plan
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(select_sample_kernel)
         self.stage_times = StageTimes()
         self.stream = device.new_stream()
         self.swapper = KVSwapper(device, kv_caches, host_kv_caches or [])
@@ -143,16 +175,22 @@ class ModelRunner:
         self.host_sampled = host.allocate((B,), torch.int64)
         self.table_rows = BlockTableRows(W, B)
         self.graph_sizes = sorted(g for g in graph_sizes if 1 <= g <= B)
-        self._graphs: dict[int, object] = {}
+        self.static_shapes = static_shapes
+        self._compiled: dict[object, object] = {}
         self.host_syncs = 0   # times the host blocked on the device (one per sampling step)
         self._zero_blocks([KVCacheManager.NULL_BLOCK])
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         if not block_ids:
             return
+        if self.static_shapes is not None:   # a power-of-two count: few shapes to compile
+            block_ids = block_ids + [KVCacheManager.NULL_BLOCK] * (
+                (1 << (len(block_ids) - 1).bit_length()) - len(block_ids))
         idx = torch.tensor(block_ids, dtype=torch.int64).to(self.kv_caches[0].device)
         for cache in self.kv_caches:
             cache.index_fill_(1, idx, 0)
+        if self.static_shapes is not None:   # its own graph, not merged into the step's
+            self.device.synchronize()
 
     def wait(self, event: Event) -> None:
         """Block the host until a transfer has landed (counted)."""
@@ -189,47 +227,62 @@ class ModelRunner:
         self.device.wait_on_compute(landed)
         return views, landed
 
-    def _graph_size(self, s: StepInputs) -> int | None:
-        """The captured size a pure-decode step is padded to; None: run it eagerly."""
+    def _padding(self, s: StepInputs) -> StepPadding | None:
+        """How this step is padded: to a decode graph's size, to a static shape, or not at all
+        (None: the step runs at its own size)."""
         n = len(s.query_lens)
+        if self.static_shapes is not None:
+            shapes = self.static_shapes
+            seqs = bucket_at_least(shapes.seq_buckets, max(n, len(s.logits_indices)))
+            tokens = bucket_at_least(shapes.token_buckets, max(len(s.token_ids), seqs or 0))
+            if seqs is None or tokens is None:
+                raise ValueError(f"a step of {len(s.token_ids)} tokens and {n} sequences is "
+                                 f"beyond the device's static shapes {shapes}")
+            return StepPadding(tokens, seqs, False,
+                               StaticStepShape(tokens, seqs, self.table_rows.width))
         if not self.graph_sizes or s.num_decodes != n or n > self.graph_sizes[-1] \
                 or len(s.logits_indices) != n:   # forks sample one row twice: eager
             return None
-        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, n)]
+        size = bucket_at_least(self.graph_sizes, n)
+        return StepPadding(size, size, True, DecodeGraphShape(size, self.table_rows.width))
 
-    def _plan_for(self, graph_size: int | None):
-        if graph_size is None:
+    def _plan_for(self, pad: StepPadding | None):
+        if pad is None:
             return self.plan
-        compiled = self._graphs.get(graph_size)
+        compiled = self._compiled.get(pad.key)
         if compiled is None:
-            compiled = self.device.compile(
-                self.plan, DecodeGraphShape(graph_size, self.table_rows.width))
-            self._graphs[graph_size] = compiled
+            compiled = self.device.compile(self.plan, pad.key)
+            self._compiled[pad.key] = compiled
         return compiled
 
-    def _forward(self, s: StepInputs, request_ids: list[str], graph_size: int | None,
+    def _forward(self, s: StepInputs, request_ids: list[str], pad: StepPadding | None,
                  swapped_in: Event | None) -> tuple[torch.Tensor, Event]:
-        """Stage and upload the step's inputs (padded to `graph_size` when given), run the plan
-        or its graph; returns the logits of the real rows (enqueued) and the upload event."""
+        """Stage and upload the step's inputs (padded as `pad` says), run the plan or its
+        compiled form; returns the logits (enqueued; padded rows included) and the upload
+        event."""
         n = len(s.query_lens)
         tables_np = self.host_bufs["block_tables"].numpy()
-        if graph_size is None:
+        ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
+        seq_lens, query_lens, logits_idx = s.seq_lens, s.query_lens, s.logits_indices or [0]
+        num_decodes = s.num_decodes
+        if pad is None:
             width = self.table_rows.fill(tables_np, request_ids, s.block_tables)
             rows = n
-            ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
-            seq_lens, query_lens, logits_idx = s.seq_lens, s.query_lens, s.logits_indices or [0]
-            num_decodes = s.num_decodes
         else:
-            pad = graph_size - n
             width = self.table_rows.fill(tables_np, request_ids, s.block_tables,
                                          width=self.table_rows.width)
-            tables_np[n:graph_size] = 0
-            rows = graph_size
-            ids, pos = s.token_ids + [0] * pad, s.positions + [0] * pad
-            slots = s.slot_mapping + [-1] * pad
-            seq_lens, query_lens = s.seq_lens + [1] * pad, s.query_lens + [1] * pad
-            logits_idx = list(range(graph_size))
-            num_decodes = graph_size
+            tables_np[n:pad.num_seqs] = 0
+            rows = pad.num_seqs
+            extra_tokens, extra_seqs = pad.num_tokens - len(ids), pad.num_seqs - n
+            ids, pos = ids + [0] * extra_tokens, pos + [0] * extra_tokens
+            slots = slots + [-1] * extra_tokens
+            if pad.decode:   # padding decodes: one token each over the null block
+                seq_lens, query_lens = seq_lens + [1] * extra_seqs, query_lens + [1] * extra_seqs
+                num_decodes = pad.num_seqs
+            else:            # padding rows outside every sequence, empty padding sequences
+                seq_lens, query_lens = seq_lens + [0] * extra_seqs, query_lens + [0] * extra_seqs
+                num_decodes = 0
+            logits_idx = s.logits_indices + [0] * (pad.num_seqs - len(s.logits_indices))
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
@@ -250,18 +303,47 @@ class ModelRunner:
         feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
         if swapped_in is not None:
             self.swapper.wait_for_compute(swapped_in)
-        logits = self._plan_for(graph_size).run(feeds)   # asynchronous device: enqueued only
-        return (logits if graph_size is None else logits[:n]), uploaded
+        logits = self._plan_for(pad).run(feeds)   # asynchronous device: enqueued only
+        return logits, uploaded
 
-    def capture_decode_graphs(self) -> int:
-        """Run (and so capture) every decode graph size once on padding rows only, largest
-        first, before any request; returns how many sizes there are."""
-        for size in reversed(self.graph_sizes):
+    def _sample(self, logits: torch.Tensor, sampled: list[Request]
+                ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample the real rows (padded logits rows go through as greedy dummies) and read
+        the ids back: the step's one host sync."""
+        rows = [SampleRequest(r.params, len(r.output_token_ids), r.prompt_token_ids,
+                              r.output_token_ids) for r in sampled]
+        rows += [PADDING_ROW] * (logits.shape[0] - len(rows))
+        result = self.sampler(logits, rows)
+        host = self.host_sampled[:logits.shape[0]]
+        self.wait(self.stream.copy(host, result.token_ids))
+        return host.tolist()[:len(sampled)], result.logprobs[:len(sampled)]
+
+    def _padding_shapes(self) -> list[StepPadding]:
+        W = self.table_rows.width
+        if self.static_shapes is not None:
+            return [StepPadding(t, b, False, StaticStepShape(t, b, W))
+                    for t, b in self.static_shapes.shapes()]
+        return [StepPadding(g, g, True, DecodeGraphShape(g, W)) for g in reversed(self.graph_sizes)]
+
+    def precompile(self) -> int:
+        """Run every padded shape the device declares (decode graphs, largest first, or static
+        shapes) once on padding rows only, sampling included, and on a static-shape device the
+        zeroing of each power-of-two block count, before any request; returns how many step
+        shapes ran."""
+        shapes = self._padding_shapes()
+        for pad in shapes:
             empty = StepInputs([], [], [], [], [], [], [], [], 0)
-            _, uploaded = self._forward(empty, [], size, None)
+            logits, _ = self._forward(empty, [], pad, None)
+            self._sample(logits, [])
             self.device.synchronize()
-            self.wait(uploaded)
-        return len(self.graph_sizes)
+        if self.static_shapes is not None:
+            most = self.static_shapes.token_buckets[-1] // self.block_size \
+                + self.static_shapes.seq_buckets[-1] + 1
+            count = 1
+            while count < 2 * most:
+                self._zero_blocks([KVCacheManager.NULL_BLOCK] * count)
+                count *= 2
+        return len(shapes)
 
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
@@ -273,7 +355,7 @@ class ModelRunner:
         s = build_step_inputs(out, kv)
         t1 = time.perf_counter()
         logits, uploaded = self._forward(
-            s, [sched.request.request_id for sched in out.scheduled], self._graph_size(s),
+            s, [sched.request.request_id for sched in out.scheduled], self._padding(s),
             swapped_in)
         t2 = time.perf_counter()
         self.stage_times.add("prepare_inputs", t1 - t0)
@@ -281,10 +363,6 @@ class ModelRunner:
         if not s.sampled:  # no readback this step: free the staging buffers explicitly
             self.wait(uploaded)
             return [], [], []
-        result = self.sampler(logits, [
-            SampleRequest(r.params, len(r.output_token_ids), r.prompt_token_ids,
-                          r.output_token_ids) for r in s.sampled])
-        host = self.host_sampled[:len(s.sampled)]
-        self.wait(self.stream.copy(host, result.token_ids))
+        token_ids, logprobs = self._sample(logits, s.sampled)
         self.stage_times.add("sample", time.perf_counter() - t2)
-        return s.sampled, host.tolist(), result.logprobs
+        return s.sampled, token_ids, logprobs

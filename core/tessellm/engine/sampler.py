@@ -18,6 +18,12 @@ Pipeline for a row (the order is part of the contract):
                         token is always kept)
              -> min-p  (drop tokens whose prob < min_p * max prob)
              -> token = argmax(softmax(x) / E),  E ~ Exponential(1) i.i.d. per token
+             The noise E is drawn here (below); everything after it is the device op
+             `sample_tokens` (kernels/reference.py is its reference and its contract). The
+             Sampler calls the function `select_kernel(rows, vocab)` gives (the engine asks the
+             device's kernel selector; a device with no kernel for the op, such as cpu, gets
+             the torch reference, which runs on any device), so a seed means the same draws
+             whichever kernel runs.
 
 Invariants:
 - If no row has a penalty or wants logprobs and every row is greedy, the sampler runs one argmax
@@ -29,8 +35,9 @@ Invariants:
 - Filters use thresholds on values, not positions in a sort: tokens tied at a cut-off are kept
   together (top-k may keep more than k), so the kept set never depends on how a sort orders
   equal values.
-- A filter no row uses is skipped. A row that does not use a filter the batch runs passes it
-  unchanged (k = vocab, top_p = +inf, min_p = 0), so which filters run never changes a row.
+- A filter no row uses is skipped (the reference is told from the host-side lists; a kernel
+  skips per row). A row that does not use a filter the batch runs passes it unchanged
+  (k = vocab, top_p = +inf, min_p = 0), so which filters run never changes a row.
 - The exponential race picks token i with probability p_i exactly (argmax of p_i / E_i), and
   needs no normalisation or cumulative sum.
 - A row with a seed draws its noise from its own torch.Generator seeded by a 64-bit mix of
@@ -43,16 +50,28 @@ Invariants:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
 import torch
 
+from tessellm.kernels import reference
+from tessellm.kernels.registry import KernelQuery
 from tessellm.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
+
+# (rows, vocab) -> a function with reference.sample_tokens' six positional arguments
+SelectSampleKernel = Callable[[int, int], Callable[..., torch.Tensor]]
+SAMPLE_OP = "sample_tokens"
+
+
+def sample_kernel_query(bucket: int, vocab: int) -> KernelQuery:
+    """The kernel query of the random-sampling op for a token bucket of rows (float32: the op
+    computes in float32 whatever the logits' dtype)."""
+    return KernelQuery(SAMPLE_OP, torch.float32, bucket, (("vocab", vocab),))
 
 
 def row_seed(seed: int, position: int) -> int:
@@ -95,7 +114,16 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless; call it with a step's logits and one SampleRequest per row."""
+    """Stateless (but for the kernel choice); call it with a step's logits and one
+    SampleRequest per row.
+
+    `select_kernel(rows, vocab)` gives the function that runs the random rows' filters and
+    race (the `sample_tokens` op, reference.sample_tokens' signature); None means the torch
+    reference, which runs on any device.
+    """
+
+    def __init__(self, select_kernel: SelectSampleKernel | None = None) -> None:
+        self.select_kernel = select_kernel
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` ([batch, vocab], any float dtype)."""
@@ -121,7 +149,7 @@ class Sampler:
         x = _penalize_rows(logits, rows, penalized) if penalized else logits
         if len(random_rows) == batch:
             token_ids = _sample_random(x, [r.params for r in rows],
-                                       [r.output_position for r in rows])
+                                       [r.output_position for r in rows], self.select_kernel)
         else:
             token_ids = x.argmax(dim=-1)
             if random_rows:
@@ -130,6 +158,7 @@ class Sampler:
                     x.index_select(0, index),
                     [rows[i].params for i in random_rows],
                     [rows[i].output_position for i in random_rows],
+                    self.select_kernel,
                 )
                 token_ids.index_copy_(0, index, sampled)
         logprobs: list[TokenLogprobs | None] = [None] * batch
@@ -221,72 +250,29 @@ def _fill_logprobs(
 
 
 def _sample_random(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+    select_kernel: SelectSampleKernel | None = None,
 ) -> torch.Tensor:
-    """Sample every row of `logits` (all rows have temperature > 0 and top_k != 1)."""
+    """Sample every row of `logits` (all rows have temperature > 0 and top_k != 1): the noise
+    is drawn here, the rest is the `sample_tokens` op (the reference, or `select_kernel`'s)."""
     device = logits.device
-    vocab = logits.shape[1]
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    x = logits.float() / temps.unsqueeze(1)
-
+    n, vocab = logits.shape
+    noise = _exponential_noise(logits.shape, params, positions, device)
     ks = [min(p.top_k, vocab) if p.top_k is not None and p.top_k > 0 else vocab for p in params]
-    use_top_k = any(k < vocab for k in ks)
-    use_top_p = any(p.top_p < 1.0 for p in params)
-    if use_top_p:
-        x = _top_k_top_p(x, ks if use_top_k else None, params)
-    elif use_top_k:
-        x = _top_k(x, ks)
-    if any(p.min_p > 0.0 for p in params):
-        x = _min_p(x, params)
-
-    weights = torch.softmax(x, dim=-1)
-    noise = _exponential_noise(weights.shape, params, positions, device)
-    return (weights / noise).argmax(dim=-1)
-
-
-def _kth_threshold(sorted_desc: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
-    """The k-th largest value of each row, [n, 1], given values sorted in descending order."""
-    k_index = torch.tensor(ks, dtype=torch.long, device=sorted_desc.device).unsqueeze(1) - 1
-    return sorted_desc.gather(1, k_index)
-
-
-def _top_k(x: torch.Tensor, ks: Sequence[int]) -> torch.Tensor:
-    """Mask to -inf every token below its row's k-th largest value (ties at the k-th are kept)."""
-    top = x.topk(max(ks), dim=-1).values
-    return x.masked_fill(x < _kth_threshold(top, ks), float("-inf"))
-
-
-def _top_k_top_p(
-    x: torch.Tensor, ks: Sequence[int] | None, params: Sequence[SamplingParams]
-) -> torch.Tensor:
-    """Top-k (if `ks`) then top-p, from one descending sort of the values (no indices needed)."""
-    sorted_x = x.sort(dim=-1, descending=True).values
-    if ks is not None:
-        kth = _kth_threshold(sorted_x, ks)
-        x = x.masked_fill(x < kth, float("-inf"))
-        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    # top_p == 1 rows get +inf so float rounding in the cumulative sum never trims their tail.
-    top_p = torch.tensor(
-        [p.top_p if p.top_p < 1.0 else float("inf") for p in params],
-        dtype=torch.float32,
-        device=x.device,
-    ).unsqueeze(1)
-    sorted_probs = torch.softmax(sorted_x, dim=-1)
-    cumulative = sorted_probs.cumsum(dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
-    # The kept set is a prefix of the sorted row (mass_before never decreases); position 0 has
-    # mass_before == 0 < top_p, so at least the top token is kept.
-    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)
-    cutoff = sorted_x.gather(1, num_kept - 1)
-    return x.masked_fill(x < cutoff, float("-inf"))
-
-
-def _min_p(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times their row's largest probability."""
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=x.device)
-    probs = torch.softmax(x, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return x.masked_fill(probs < threshold, float("-inf"))
+    top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
+    min_p = [p.min_p for p in params]
+    # One host -> device copy for the four parameter rows (top_k < 2**24: exact in float32).
+    table = torch.tensor([[p.temperature for p in params], top_p, min_p, ks],
+                         dtype=torch.float32, device=device)
+    args = (logits, table[0], table[3].to(torch.int64), table[1], table[2], noise)
+    kernel = select_kernel(n, vocab) if select_kernel is not None else reference.sample_tokens
+    if kernel is not reference.sample_tokens:
+        return kernel(*args)
+    # The reference takes host-side hints: skip the filters no row uses (a row that does not
+    # use a filter passes it unchanged, so the tokens are the same either way).
+    on_k = [k for k in ks if k < vocab]
+    return kernel(*args, use_top_k=bool(on_k), use_top_p=any(p < 1.0 for p in top_p),
+                  use_min_p=any(p > 0.0 for p in min_p), max_top_k=max(on_k, default=None))
 
 
 def _exponential_noise(

@@ -76,6 +76,24 @@ def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> li
     return [_randn(gen, (T, nh * hd), dt, dev), cache, meta, 1.0 / math.sqrt(hd)]
 
 
+def _sample_example(T: int, vocab: int, dev: str, gen: torch.Generator) -> list[Any]:
+    """Rows of distinct logits (a shuffled ramp over [-6, 6): no ties, so the winner does not
+    hang on tie order) and per-row params cycling top_k / top_p / min_p on and off, with
+    temperatures in [0.5, 1.5]; Exponential(1) noise clamped to float32's tiny."""
+    ramp = torch.arange(vocab, dtype=torch.float32) * (12.0 / vocab) - 6.0
+    logits = torch.stack([ramp[torch.randperm(vocab, generator=gen)] for _ in range(T)])
+    rows = torch.arange(T)
+    temperature = 0.5 + (rows % 5).float() * 0.25
+    # row 0 (a bucket of one row) uses every filter; later rows cycle each on and off
+    top_k = torch.where(rows % 2 == 0, max(1, min(vocab - 1, 40)), vocab).long()
+    top_p = torch.where(rows % 3 == 0, 0.9, float("inf")).float()
+    top_p = torch.where(rows % 3 == 2, 0.5, top_p)
+    min_p = torch.where(rows % 4 < 2, 0.05, 0.0).float()
+    noise = torch.empty((T, vocab), dtype=torch.float32).exponential_(generator=gen)
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return [t.to(dev) for t in (logits, temperature, top_k, top_p, min_p, noise)]
+
+
 def make_example(query: KernelQuery, dev: str) -> list[Any]:
     gen = torch.Generator().manual_seed(1234)
     T, dt, op = query.num_tokens, query.dtype, query.op
@@ -135,6 +153,8 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
                 _randn(gen, (2, nblocks, nkv, EXAMPLE_BLOCK_SIZE, hd), dt, dev), slots.to(dev)]
     if op in ("attention_decode", "attention_prefill"):
         return _attention_example(query, dev, gen)
+    if op == "sample_tokens":
+        return _sample_example(T, d["vocab"], dev, gen)
     raise KernelError(f"no example inputs defined for op {op!r}")
 
 

@@ -146,6 +146,89 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     return out
 
 
+# ---- sampling -----------------------------------------------------------------------------
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor, *,
+                  use_top_k: bool = True, use_top_p: bool = True, use_min_p: bool = True,
+                  max_top_k: int | None = None) -> torch.Tensor:
+    """One token id per row by temperature, top-k, top-p, min-p and the exponential race.
+
+    logits [n, vocab] (any float dtype); temperature [n] float32 (> 0); top_k [n] int64
+    (>= vocab: off); top_p [n] float32 (>= 1: off); min_p [n] float32 (0: off); noise
+    [n, vocab] float32 Exponential(1) draws, strictly positive. Returns int64 [n] on the
+    logits' device. Per row:
+
+        x = float32(logits) / temperature
+        -> top-k: keep x >= the k-th largest value (ties at the cut-off kept)
+        -> top-p: keep the smallest most-probable prefix of the sorted row whose mass >= top_p
+                  (mass_before < top_p; the top token always kept, ties at the cut-off kept)
+        -> min-p: drop tokens whose prob < min_p * max prob
+        -> argmax(softmax(x) / noise) (the first index on ties, as torch.argmax)
+
+    Filters mask to -inf. Nothing here synchronizes with the host. The keywords are host-side
+    hints (only this torch reference takes them; a kernel has the six positional arguments):
+    `use_*=False` skips a filter the caller knows no row uses (a row that does not use a
+    filter passes it unchanged, so the result is the same either way), and `max_top_k`, an
+    upper bound on every top_k below vocab, lets top-k without top-p read `topk(max_top_k)`
+    instead of a full sort.
+    """
+    x = logits.float() / temperature.unsqueeze(1)
+    if use_top_p:
+        x = _top_k_top_p(x, top_k if use_top_k else None, top_p)
+    elif use_top_k:
+        x = _top_k(x, top_k, max_top_k)
+    if use_min_p:
+        x = _min_p(x, min_p)
+    return (torch.softmax(x, dim=-1) / noise).argmax(dim=-1)
+
+
+def _kth_threshold(sorted_desc: torch.Tensor, top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each row's k-th largest value, [n, 1], from its values sorted in descending order (its
+    first max(k) of them at least); -inf for rows with k >= vocab (top-k off)."""
+    k = top_k.clamp(1, sorted_desc.shape[1]).unsqueeze(1)
+    kth = sorted_desc.gather(1, k - 1)
+    return kth.masked_fill(top_k.unsqueeze(1) >= vocab, float("-inf"))
+
+
+def _top_k(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
+    """Mask to -inf every token below its row's k-th largest value (ties at the k-th are kept)."""
+    vocab = x.shape[1]
+    if max_top_k is None or max_top_k >= vocab:
+        values = x.sort(dim=-1, descending=True).values
+    else:
+        values = x.topk(max(1, max_top_k), dim=-1).values
+    return x.masked_fill(x < _kth_threshold(values, top_k, vocab), float("-inf"))
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+                 ) -> torch.Tensor:
+    """Top-k (if `top_k`) then top-p, from one descending sort of the values (no indices)."""
+    vocab = x.shape[1]
+    sorted_x = x.sort(dim=-1, descending=True).values
+    if top_k is not None:
+        kth = _kth_threshold(sorted_x, top_k, vocab)
+        x = x.masked_fill(x < kth, float("-inf"))
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    # top_p >= 1 rows get +inf so float rounding in the cumulative sum never trims their tail.
+    top_p = torch.where(top_p >= 1.0, float("inf"), top_p.float()).unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_x, dim=-1)
+    cumulative = sorted_probs.cumsum(dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=1)
+    # The kept set is a prefix of the sorted row (mass_before never decreases); position 0 has
+    # mass_before == 0 < top_p, so at least the top token is kept.
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    cutoff = sorted_x.gather(1, num_kept - 1)
+    return x.masked_fill(x < cutoff, float("-inf"))
+
+
+def _min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times their row's largest probability."""
+    probs = torch.softmax(x, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.float().unsqueeze(1)
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
 # The ops the graph may contain and the reference of each; attention_prefill and
 # attention_decode are paged_attention restricted to prefill / decode sequences.
 REFERENCE_OPS = {
@@ -165,4 +248,5 @@ REFERENCE_OPS = {
     "write_kv_cache": write_kv_cache,
     "attention_prefill": paged_attention,
     "attention_decode": paged_attention,
+    "sample_tokens": sample_tokens,
 }

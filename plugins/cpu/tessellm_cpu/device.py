@@ -38,6 +38,7 @@ class CpuDevice(DevicePlugin):
 
     def __init__(self) -> None:
         self._allocator: DeviceAllocator | None = None
+        self._not_offered: dict[str, str] = {}
 
     def is_available(self) -> Availability:
         return Availability(True, "")
@@ -59,4 +60,12 @@ class CpuDevice(DevicePlugin):
 
     def kernels(self) -> list[Kernel]:
         from tessellm_cpu.kernels import cpu_kernels
-        return cpu_kernels(self.name)
+        not_offered: dict[str, str] = {}
+        kernels = cpu_kernels(self.name, not_offered)
+        self._not_offered = not_offered
+        return kernels
+
+    def kernels_not_offered(self) -> dict[str, str]:
+        """Kernel name -> why the last `kernels()` did not offer it (a native kernel that
+        could not be built or loaded here); `tessellm plugins` shows them."""
+        return dict(self._not_offered)

@@ -93,9 +93,12 @@ def _onednn_supports(query: KernelQuery) -> bool:
     return query.dtype == torch.float32
 
 
-def onednn_kernels(device: str) -> list[Kernel]:
+def onednn_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
     if not _onednn_prepack_available():
-        log.warning("tessellm_cpu: this torch has no oneDNN prepacked linear; not offered")
+        why = "this torch has no oneDNN prepacked linear"
+        log.warning("tessellm_cpu: %s; not offered", why)
+        if not_offered is not None:
+            not_offered["linear_onednn_prepacked"] = why
         return []
     return [Kernel("linear", "linear_onednn_prepacked", linear_onednn_prepacked, device,
                    supports=_onednn_supports, description="oneDNN, weight prepacked once",
@@ -110,8 +113,11 @@ def embedding_packed_rows(ids, weight: PackedWeight):
     return dequantize(weight.rows(ids))
 
 
-def native_kernels(device: str) -> list[Kernel]:
-    """The C kernels this machine can build (a warning says why any other is not offered)."""
+def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
+    """The C kernels this machine can build and load. One that cannot (no compiler, an
+    unusable cache directory, a timeout, a corrupt object, ...) is not offered: a warning
+    says why, and so does `not_offered` (kernel name -> reason), which the CPU device reports
+    to `tessellm plugins`. Nothing here stops the device or its other kernels."""
     from tessellm_cpu.native_attention import NativeDecode
     from tessellm_cpu.native_linear import NativePackedLinear
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
@@ -122,20 +128,28 @@ def native_kernels(device: str) -> list[Kernel]:
         try:
             fn = build()
         except NativeBuildError as e:
-            log.warning("tessellm_cpu: native kernel %s unavailable, not offered: %s", name, e)
+            why = str(e)
+        except Exception as e:  # fail safe: an unforeseen failure loses this kernel only
+            why = f"{type(e).__name__}: {e}"
+        else:
+            out.append(Kernel(op=op, name=name, fn=fn, device=device, supports=fn.supports,
+                              description=description))
             continue
-        out.append(Kernel(op=op, name=name, fn=fn, device=device, supports=fn.supports,
-                          description=description))
+        log.warning("tessellm_cpu: native kernel %s unavailable, not offered: %s", name, why)
+        if not_offered is not None:
+            not_offered[name] = why
     return out
 
 
-def cpu_kernels(device: str) -> list[Kernel]:
+def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
+    """Every CPU kernel this machine can run; those it cannot are named in `not_offered`
+    (kernel name -> reason) when given."""
     def k(op: str, name: str, fn, description: str = "") -> Kernel:
         return Kernel(op=op, name=name, fn=fn, device=device, description=description)
 
     # kernels with a weight layout come after the plain ones, so kernel_selection "first"
     # never converts a weight
-    return native_kernels(device) + [
+    return native_kernels(device, not_offered) + [
         k("embedding", "embedding_aten", F.embedding),
         k("linear", "linear_aten", F.linear),
         k("linear_packed", "linear_packed_dequant_matmul", linear_packed_dequant_matmul,
@@ -158,4 +172,4 @@ def cpu_kernels(device: str) -> list[Kernel]:
         k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
         k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
-    ] + onednn_kernels(device)
+    ] + onednn_kernels(device, not_offered)

@@ -1,7 +1,9 @@
 """Paged-attention decode as a C kernel (native/paged_attention.c), called through ctypes.
 
 It reads K/V in place through the block tables: no gather copy, no padding, float32 math.
-Supports float32 and bfloat16 caches on the CPU.
+Supports float32 and bfloat16 caches on the CPU. The C side checks every index it reads with
+(sequence lengths against the table width, block ids against the pool, heads against KV
+heads) and returns a code per problem, raised here as a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -11,22 +13,29 @@ from pathlib import Path
 import torch
 
 from tessellm.plugin_api import AttentionMetadata, KernelQuery
-from tessellm_cpu.native_build import build_library
+from tessellm_cpu.native_build import build_library, entry_point
 
 SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32]
+# q, kv, block_tables, bt_stride, bt_cols, seq_lens, out, B, H, NKV, D, BS, NB, scale, info
+_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
+             _ptr]
+# paged_attention.c's PD_* return codes
+PD_OK, PD_ERR_ALLOC, PD_ERR_SHAPE, PD_ERR_HEADS = 0, 1, 2, 3
+PD_ERR_SEQ_LEN, PD_ERR_TABLE_WIDTH, PD_ERR_BLOCK_ID = 4, 5, 6
 
 
 class NativeDecode:
-    """The loaded library's decode entry points, by dtype."""
+    """The loaded library's decode entry points, by dtype. `code_hash` identifies the built
+    code (source, flags, compiler, CPU) for the profiler's cache."""
 
     def __init__(self) -> None:
-        lib = build_library(SOURCE)
+        native = build_library(SOURCE)
+        self.code_hash = native.key
         self._fns = {}
         for dtype, name in ((torch.float32, "paged_decode_f32"),
                             (torch.bfloat16, "paged_decode_bf16")):
-            fn = getattr(lib, name)
+            fn = entry_point(native, name)
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._fns[dtype] = fn
 
@@ -40,18 +49,62 @@ class NativeDecode:
         if fn is None or kv_cache.dtype != q.dtype:
             raise TypeError(f"native decode supports float32/bfloat16, got {q.dtype} "
                             f"with a {kv_cache.dtype} cache")
-        if not kv_cache.is_contiguous():
-            raise ValueError("native decode needs a contiguous KV cache")
+        if kv_cache.device.type != "cpu" or q.device.type != "cpu":
+            raise ValueError("native decode runs on CPU tensors")
+        if not kv_cache.is_contiguous() or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise ValueError("native decode needs a contiguous [2, blocks, kv_heads, block_size, "
+                             f"head_dim] KV cache, got shape {tuple(kv_cache.shape)}")
+        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+        num_seqs = meta.num_seqs
+        if q.dim() != 2 or q.shape[0] != num_seqs or q.shape[1] % head_dim != 0:
+            raise ValueError(f"native decode needs q of [{num_seqs}, heads * {head_dim}] (one "
+                             f"token per sequence), got {tuple(q.shape)}")
+        if block_size != meta.block_size:
+            raise ValueError(f"the KV cache has blocks of {block_size} tokens, the metadata "
+                             f"{meta.block_size}")
         q = q.contiguous()
         tables = meta.block_tables
+        if tables.dim() != 2 or tables.shape[0] < num_seqs:
+            raise ValueError(f"native decode needs a [{num_seqs}, max_blocks] block table, got "
+                             f"{tuple(tables.shape)}")
         if tables.dtype != torch.int32 or tables.stride(-1) != 1:
             tables = tables.to(torch.int32).contiguous()
         seq_lens = meta.seq_lens.to(torch.int32).contiguous()
-        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+        if seq_lens.numel() != num_seqs:
+            raise ValueError(f"{seq_lens.numel()} sequence lengths for {num_seqs} sequences")
+        num_heads = q.shape[1] // head_dim
         out = torch.empty_like(q)
+        info = (ctypes.c_int64 * 2)(-1, -1)
         rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                seq_lens.data_ptr(), out.data_ptr(), meta.num_seqs, q.shape[1] // head_dim,
-                num_kv_heads, head_dim, block_size, num_blocks, float(scale))
-        if rc != 0:
-            raise MemoryError("native decode could not allocate its scratch buffers")
+                tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
+                num_kv_heads, head_dim, block_size, num_blocks, float(scale),
+                ctypes.addressof(info))
+        if rc != PD_OK:
+            _raise(rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads, head_dim,
+                   block_size, num_blocks)
         return out
+
+
+def _raise(rc: int, seq: int, col: int, seq_lens: torch.Tensor, tables: torch.Tensor,
+           num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+           num_blocks: int) -> None:
+    if rc == PD_ERR_ALLOC:
+        raise MemoryError("native decode could not allocate its scratch buffers")
+    if rc == PD_ERR_SHAPE:
+        raise ValueError(f"native decode: invalid sizes (heads {num_heads}, kv heads "
+                         f"{num_kv_heads}, head_dim {head_dim}, block_size {block_size}, "
+                         f"{num_blocks} blocks)")
+    if rc == PD_ERR_HEADS:
+        raise ValueError(f"native decode: {num_heads} query heads are not a multiple of "
+                         f"{num_kv_heads} KV heads")
+    if rc == PD_ERR_SEQ_LEN:
+        raise ValueError(f"native decode: sequence {seq} has a negative length "
+                         f"{int(seq_lens[seq])}")
+    if rc == PD_ERR_TABLE_WIDTH:
+        raise ValueError(f"native decode: sequence {seq} has length {int(seq_lens[seq])}, "
+                         f"needing {col} blocks of {block_size} tokens, but the block table "
+                         f"has only {tables.shape[1]} columns")
+    if rc == PD_ERR_BLOCK_ID:
+        raise ValueError(f"native decode: sequence {seq} uses block id {int(tables[seq, col])} "
+                         f"(table column {col}), outside the pool of {num_blocks} blocks")
+    raise RuntimeError(f"native decode failed with unknown code {rc}")

@@ -3,9 +3,21 @@
 The shared library is compiled for this CPU (-march=native) with OpenMP; it links the same
 libgomp soname torch loaded, so both share one OpenMP runtime and thread count. Builds are
 cached under <cache root>/native/, keyed by a hash of the source, the flags, the compiler's
-version and the CPU's feature flags; a build is written to a temporary name and renamed, so
-concurrent processes never load a half-written file. A failed build raises NativeBuildError
-with the compiler's output: the caller decides what that means (the kernel is not offered).
+version and the CPU's feature flags.
+
+Fail-safe rules (every failure is a NativeBuildError saying why; the caller decides what that
+means -- the CPU plugin does not offer the kernel and reports the reason):
+- no compiler, a compiler that cannot run, a failed compile, a compile past BUILD_TIMEOUT_S
+  (the compiler's whole process group is killed);
+- a cache directory that cannot be created or written;
+- a cache directory, or a cached object, not owned by this user or writable by group or
+  others: never loaded, since someone else could have planted it (the directory is created
+  with mode 0o700);
+- a cached object the loader rejects (truncated, corrupt): deleted and rebuilt once; if the
+  rebuilt one is rejected too, the build fails.
+A build compiles to a temporary file unique to the process and thread (mkstemp in the cache
+directory) and is renamed into place (os.replace), so concurrent builders never load a
+half-written file.
 """
 from __future__ import annotations
 
@@ -13,16 +25,32 @@ import ctypes
 import hashlib
 import os
 import shutil
+import signal
+import stat
 import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from tessellm.plugin_api import cache_root
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+BUILD_TIMEOUT_S = 300.0     # one compile; past it the compiler is killed
+VERSION_TIMEOUT_S = 30.0    # `cc --version`
 
 
 class NativeBuildError(RuntimeError):
     """The C kernels could not be compiled or loaded here."""
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """A loaded library and the hash it is cached under (source, flags, compiler, CPU)."""
+
+    lib: ctypes.CDLL
+    key: str
+    path: Path
 
 
 def _cpu_flags() -> str:
@@ -42,27 +70,150 @@ def _compiler() -> str:
     return cc
 
 
-def build_library(source: Path) -> ctypes.CDLL:
-    cc = _compiler()
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; on timeout kill the whole group (a compiler
+    driver's cc1/as/ld children too) and raise subprocess.TimeoutExpired."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.communicate()
+        raise
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _private(path: Path, what: str) -> None:
+    """Refuse `path` unless this user owns it and neither group nor others may write it."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise NativeBuildError(f"cannot stat the {what} {path}: {e}") from e
+    if not hasattr(os, "getuid"):
+        return
+    uid = os.getuid()
+    if st.st_uid != uid:
+        raise NativeBuildError(
+            f"the {what} {path} is owned by uid {st.st_uid}, not by this user (uid {uid}): "
+            "refusing to load native code someone else could have planted (remove it: the "
+            "kernels are rebuilt in a directory of mode 0700)")
+    if st.st_mode & 0o022:
+        raise NativeBuildError(
+            f"the {what} {path} is writable by group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): refusing to load native code someone else "
+            "could have planted (remove it: the kernels are rebuilt in a directory of mode 0700)")
+
+
+def _cache_dir() -> Path:
+    out_dir = cache_root() / "native"
+    try:
+        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeBuildError(f"cannot create the native build cache {out_dir}: "
+                               f"{type(e).__name__}: {e}") from e
+    if not out_dir.is_dir():
+        raise NativeBuildError(f"the native build cache {out_dir} is not a directory")
+    _private(out_dir, "native build cache directory")
+    return out_dir
+
+
+def library_key(source: Path, cc: str | None = None) -> str:
+    """The hash a build of `source` is cached under: source text, flags, compiler version,
+    CPU feature flags."""
+    cc = cc or _compiler()
+    try:
+        version = _run([cc, "--version"], VERSION_TIMEOUT_S).stdout
+    except subprocess.TimeoutExpired as e:
+        raise NativeBuildError(f"the C compiler {cc!r} did not answer --version within "
+                               f"{VERSION_TIMEOUT_S:g} s") from e
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeBuildError(f"cannot run the C compiler {cc!r}: {e}") from e
-    text = source.read_text()
-    key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, _cpu_flags()]).encode())
-    out_dir = cache_root() / "native"
-    lib_path = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if not lib_path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = lib_path.with_suffix(f".tmp{os.getpid()}.so")
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", str(tmp), "-lm"],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise NativeBuildError(f"compiling {source.name} failed:\n{proc.stderr.strip()}")
-        tmp.replace(lib_path)
     try:
-        return ctypes.CDLL(str(lib_path))
+        text = source.read_text()
     except OSError as e:
-        raise NativeBuildError(f"loading {lib_path} failed: {e}") from e
+        raise NativeBuildError(f"cannot read the kernel source {source}: {e}") from e
+    data = "\n".join([text, " ".join(FLAGS), version, _cpu_flags()]).encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _compile(cc: str, source: Path, out_dir: Path, lib_path: Path) -> None:
+    try:
+        fd, tmp_name = tempfile.mkstemp(
+            prefix=f"{lib_path.stem}.{os.getpid()}-{threading.get_ident()}.", suffix=".tmp.so",
+            dir=out_dir)
+        os.close(fd)
+    except OSError as e:
+        raise NativeBuildError(f"cannot write to the native build cache {out_dir}: "
+                               f"{type(e).__name__}: {e}") from e
+    tmp = Path(tmp_name)
+    try:
+        try:
+            proc = _run([cc, *FLAGS, str(source), "-o", str(tmp), "-lm"], BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise NativeBuildError(f"compiling {source.name} took longer than "
+                                   f"{BUILD_TIMEOUT_S:g} s (killed)") from e
+        except (OSError, subprocess.SubprocessError) as e:
+            raise NativeBuildError(f"cannot run the C compiler {cc!r}: {e}") from e
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            shown = "\n".join((["..."] if len(lines) > 40 else []) + lines[-40:])
+            raise NativeBuildError(f"compiling {source.name} with {cc!r} failed "
+                                   f"(exit {proc.returncode}):\n{shown}")
+        try:
+            os.chmod(tmp, 0o700)
+            os.replace(tmp, lib_path)
+        except OSError as e:
+            raise NativeBuildError(f"cannot store the built {lib_path.name} in {out_dir}: "
+                                   f"{type(e).__name__}: {e}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    _private(path, "cached native object")
+    return ctypes.CDLL(str(path))
+
+
+def library_path(source: Path, key: str) -> Path:
+    """Where the build of `source` with hash `key` is cached."""
+    return cache_root() / "native" / f"{source.stem}-{key[:16]}.so"
+
+
+def build_library(source: Path) -> NativeLibrary:
+    """The library built from `source` for this machine: from the cache, else compiled now."""
+    cc = _compiler()
+    key = library_key(source, cc)
+    out_dir = _cache_dir()
+    lib_path = library_path(source, key)
+    if lib_path.exists():
+        try:
+            return NativeLibrary(_load(lib_path), key, lib_path)
+        except OSError:
+            # the loader rejects it (truncated, corrupt): delete it, rebuild once below
+            try:
+                lib_path.unlink(missing_ok=True)
+            except OSError as e:
+                raise NativeBuildError(f"the cached {lib_path} cannot be loaded and cannot "
+                                       f"be deleted: {e}") from e
+    _compile(cc, source, out_dir, lib_path)
+    try:
+        return NativeLibrary(_load(lib_path), key, lib_path)
+    except OSError as e:
+        lib_path.unlink(missing_ok=True)
+        raise NativeBuildError(f"loading the freshly built {lib_path} failed: {e}") from e
+
+
+def entry_point(native: NativeLibrary, name: str) -> ctypes._CFuncPtr:
+    """The exported function `name`, or a NativeBuildError if the library lacks it."""
+    try:
+        return getattr(native.lib, name)
+    except AttributeError as e:
+        raise NativeBuildError(f"{native.path} has no symbol {name!r}") from e

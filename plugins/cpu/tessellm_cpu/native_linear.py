@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tessellm.plugin_api import KernelQuery, PackedWeight
-from tessellm_cpu.native_build import build_library
+from tessellm_cpu.native_build import build_library, entry_point
 
 SOURCE = Path(__file__).with_name("native") / "linear_packed.c"
 SUPPORTED_TYPES = frozenset({2, 3, 8})  # GGML Q4_0, Q4_1, Q8_0
@@ -21,7 +21,9 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 class NativePackedLinear:
     def __init__(self) -> None:
-        self._fn = build_library(SOURCE).linear_packed_f32
+        native = build_library(SOURCE)
+        self.code_hash = native.key   # the built code, for the profiler's cache
+        self._fn = entry_point(native, "linear_packed_f32")
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
         self._fn.restype = ctypes.c_int
 

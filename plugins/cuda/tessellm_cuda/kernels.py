@@ -7,7 +7,7 @@ from tessellm_cuda.torch_ops import TORCH_ALTERNATIVES, TORCH_ONLY
 
 
 def triton_kernel_list(device: str) -> list[Kernel]:
-    from tessellm_cuda.triton_ops import activations, attention, kv_cache, norms, rotary
+    from tessellm_cuda.triton_ops import activations, attention, kv_cache, norms, rotary, sampling
     supports = getattr(attention, "supports", None)
     extra = {"supports": supports} if supports is not None else {}
     return [
@@ -24,6 +24,9 @@ def triton_kernel_list(device: str) -> list[Kernel]:
                description="Triton, NeoX half-split"),
         Kernel("silu_and_mul", "silu_and_mul_triton", activations.silu_and_mul, device,
                description="Triton"),
+        Kernel("sample_tokens", "sample_triton", sampling.sample_tokens, device,
+               description="Triton, one program per row over vocab chunks; top-k / top-p "
+                           "cut-offs by binary search on the float bits"),
     ]
 
 

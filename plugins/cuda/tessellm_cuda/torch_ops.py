@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tessellm.plugin_api import PackedWeight, dequantize
+from tessellm.plugin_api import PackedWeight, dequantize, reference
 
 
 def linear_packed_dequant(x, weight: PackedWeight, bias=None):
@@ -74,4 +74,6 @@ TORCH_ALTERNATIVES = {
     "silu_and_mul": [("silu_and_mul_torch", silu_and_mul_torch, "")],
     "write_kv_cache": [("write_kv_cache_torch", write_kv_cache_torch,
                         "index_put; padding slots (-1) left unchanged")],
+    "sample_tokens": [("sample_tokens_torch", reference.sample_tokens,
+                       "the torch reference (sort, cumsum, softmax, argmax)")],
 }

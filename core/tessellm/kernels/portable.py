@@ -1,0 +1,140 @@
+"""Portable kernels: plain torch that runs on any torch device, never synchronizes with the host
+and keeps every shape a function of the input shapes alone.
+
+They are what an accelerator plugin offers for the ops it has no kernel of its own for (the
+CUDA plugin next to its Triton kernels, the XLA plugin, whose lazy tensors recompile on every
+new shape and stall on every host read). Unlike the reference ops they do not loop over
+sequences on the host or index with boolean masks.
+
+`paged_attention_static` handles any mix of sequences in one call, over the whole (padded)
+block table: token t belongs to the sequence whose query rows hold it (query_start_loc), sits
+at position seq_len - query_len + its row in the sequence, and attends to the positions
+<= its own and < seq_len. Rows past query_start_loc[-1] and sequences with seq_len 0 are
+padding: their output is 0. The context is processed in chunks of whole blocks with an online
+softmax, so the gathered K/V never exceed about `chunk_bytes` per chunk.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.quant.formats import PackedWeight, dequantize
+
+CHUNK_BYTES = 64 << 20
+
+
+def rms_norm(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def layer_norm(x, weight, bias, eps):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def silu_and_mul(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_embedding(positions, q, k, cos_sin, head_dim):
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions).to(q.dtype)
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rope(x):
+        xh = x.reshape(x.shape[0], -1, head_dim)
+        x1, x2 = xh[..., :half], xh[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1)
+
+    return rope(q), rope(k)
+
+
+def linear_packed_dequant(x, weight: PackedWeight, bias=None):
+    return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
+def embedding_packed_rows(ids, weight: PackedWeight):
+    return dequantize(weight.rows(ids))
+
+
+def write_kv_cache(k, v, kv_cache, slot_mapping):
+    """index_put over the slots; a padding slot (< 0) is redirected to slot 0 and writes back
+    the value already there, so nothing changes (no mask-dependent shapes)."""
+    _, _, nkv, block_size, hd = kv_cache.shape
+    valid = slot_mapping >= 0
+    slots = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+    blocks, rows = slots // block_size, slots % block_size
+    keep = valid[:, None, None]
+    for i, src in enumerate((k, v)):
+        new = src.reshape(-1, nkv, hd).to(kv_cache.dtype)
+        old = kv_cache[i][blocks, :, rows]
+        kv_cache[i][blocks, :, rows] = torch.where(keep, new, old)
+
+
+def _chunk_blocks(num_tokens: int, width: int, block_size: int, num_kv_heads: int,
+                  head_dim: int, chunk_bytes: int) -> int:
+    per_block = max(1, num_tokens) * block_size * num_kv_heads * head_dim * 4 * 2
+    return max(1, min(width, chunk_bytes // per_block))
+
+
+def paged_attention_static(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """Attention of every query row over its sequence's paged K/V (see the module docstring);
+    float32 scores and softmax, output in q's dtype. Reads only device tensors."""
+    _, _, nkv, bs, hd = kv_cache.shape
+    T = q.shape[0]
+    nh = q.shape[1] // hd
+    group = nh // nkv
+    tables = meta.block_tables.long()
+    B, W = tables.shape
+    dev = q.device
+    qsl = meta.query_start_loc.long()
+    seq_lens = meta.seq_lens.long()
+    tok = torch.arange(T, device=dev)
+    # the sequence of each row: how many sequences end at or before it ([T, B] compare, no
+    # searchsorted: lowers everywhere)
+    seq = (tok[:, None] >= qsl[None, 1:]).sum(-1).clamp(max=B - 1)
+    tok_valid = tok < qsl[-1]
+    q_len = (qsl[1:] - qsl[:-1])[seq]
+    pos = seq_lens[seq] - q_len + (tok - qsl[:-1][seq])            # [T]
+    limit = torch.minimum(pos + 1, seq_lens[seq])                  # keys < limit are visible
+    limit = torch.where(tok_valid, limit, torch.zeros_like(limit))
+    qf = q.reshape(T, nkv, group, hd).float() * scale
+    m = torch.full((T, nkv, group), float("-inf"), device=dev)
+    l_sum = torch.zeros((T, nkv, group), device=dev)
+    acc = torch.zeros((T, nkv, group, hd), device=dev)
+    tok_tables = tables[seq]                                       # [T, W]
+    step = _chunk_blocks(T, W, bs, nkv, hd, chunk_bytes)
+    for b0 in range(0, W, step):
+        b1 = min(W, b0 + step)
+        blocks = tok_tables[:, b0:b1]                              # [T, n]
+        k = kv_cache[0][blocks].float()                            # [T, n, nkv, bs, hd]
+        v = kv_cache[1][blocks].float()
+        k = k.permute(0, 2, 1, 3, 4).reshape(T, nkv, (b1 - b0) * bs, hd)
+        v = v.permute(0, 2, 1, 3, 4).reshape(T, nkv, (b1 - b0) * bs, hd)
+        key_pos = torch.arange(b0 * bs, b1 * bs, device=dev)
+        visible = key_pos[None, :] < limit[:, None]                # [T, C]
+        s = torch.einsum("tkgd,tkcd->tkgc", qf, k)
+        s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        l_sum = l_sum * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("tkgc,tkcd->tkgd", p, v)
+        m = m_new
+    out = acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))[..., None]
+    return out.reshape(T, nh * hd).to(q.dtype)
