@@ -77,3 +77,15 @@ def test_kernels_command_shows_triton_kernels_chosen(stories_dir, tmp_path) -> N
         row = chosen[op]
         assert row["choice"] == name, row
         assert all(c["correct"] for c in row["ranking"]), row   # checked against the reference
+
+
+def test_staging_buffers_come_from_the_host_pool(stories_dir) -> None:
+    """The runner's host buffers are carved out of the plugin's chunked pool, and its use is
+    reported through runtime_counters (the server's tessellm:device_counter)."""
+    llm = LLM(str(stories_dir), device="triton-interpret", dtype="float32",
+              load_progress=False, max_num_seqs=4, max_num_batched_tokens=64,
+              kernel_selection="first")
+    counters = llm.engine.parts.device.runtime_counters()
+    assert counters["host_pool_buffers"] >= 8          # 7 staging buffers + sampled ids
+    assert 0 < counters["host_pool_used_bytes"] <= counters["host_pool_reserved_bytes"]
+    assert counters["host_pool_pinned"] == 0.0         # pinned only on cuda

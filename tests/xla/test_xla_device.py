@@ -62,3 +62,10 @@ def test_seeded_sampling_is_reproducible(xla_llm) -> None:
     a, b, c = (o.token_ids for o in xla_llm.generate(["Once upon a time"] * 3, params))
     assert a == b
     assert a != c
+
+
+def test_compile_count_reaches_the_core_stats(xla_llm) -> None:
+    """The count the server exports as tessellm:device_counter{name="xla_compilations"}."""
+    from tessellm.engine.engine_core import core_stats
+    counters = core_stats(xla_llm.engine).device_counters
+    assert counters["xla_compilations"] >= len(xla_llm.engine.runner.static_shapes.shapes())

@@ -97,7 +97,7 @@ class AsyncEngine:
                                     self.info.num_kv_blocks)
         self.max_waiting = max_waiting
         self.observer = observer
-        self.stats = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, {})
+        self.stats = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, {}, {})
         self.detokenize_seconds = 0.0
         self.last_heard = time.monotonic()
         self.fatal_error: str | None = None

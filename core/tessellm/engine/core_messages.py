@@ -90,6 +90,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int
     host_syncs: int
     stage_seconds: dict[str, float]
+    device_counters: dict[str, float]   # DevicePlugin.runtime_counters() (xla: compilations)
 
 
 class StepOutputs(msgspec.Struct, tag=True):

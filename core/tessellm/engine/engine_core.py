@@ -41,7 +41,8 @@ def core_stats(engine: LLMEngine) -> CoreStats:
     return CoreStats(engine.scheduler.num_running, engine.scheduler.num_waiting,
                      engine.kv.usage, s.num_steps, s.num_preemptions, s.num_prompt_tokens,
                      s.num_generated_tokens, prefix.queries, prefix.hits,
-                     engine.runner.host_syncs, dict(engine.stage_times.snapshot()))
+                     engine.runner.host_syncs, dict(engine.stage_times.snapshot()),
+                     engine.parts.device.runtime_counters())
 
 
 def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:

@@ -74,6 +74,11 @@ class EngineCollector(Collector):
             stages.add_metric([stage], seconds)
         stages.add_metric(["detokenize"], e.detokenize_seconds)
         yield stages
+        device = GaugeMetricFamily("tessellm:device_counter", "The device plugin's own "
+                                   "counters (xla: xla_compilations, ...)", labels=["name"])
+        for name, value in sorted(s.device_counters.items()):
+            device.add_metric([name], value)
+        yield device
 
 
 class ServerMetrics:

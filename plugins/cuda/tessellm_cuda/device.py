@@ -33,6 +33,16 @@ from tessellm_cuda.pinned_pool import PinnedHostPool
 INTERPRET_ENV = "TRITON_INTERPRET"
 
 
+def host_pool_counters(pool: PinnedHostPool | None) -> dict[str, float]:
+    """The staging/swap pool's use, for metrics (tessellm:device_counter)."""
+    if pool is None:
+        return {}
+    s = pool.stats()
+    return {"host_pool_reserved_bytes": float(s.reserved_bytes),
+            "host_pool_used_bytes": float(s.used_bytes), "host_pool_buffers": float(s.buffers),
+            "host_pool_chunks": float(s.chunks), "host_pool_pinned": float(s.pinned)}
+
+
 def interpreting() -> bool:
     return os.environ.get(INTERPRET_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
@@ -144,6 +154,13 @@ class CudaDevice(DevicePlugin):
         from tessellm_cuda.memory import kv_budget_after_profile
         return kv_budget_after_profile(self, profile_forward, utilization)
 
+    def runtime_counters(self) -> dict[str, float]:
+        counters = host_pool_counters(self._host)
+        if self._allocator is not None:
+            counters.update({f"allocated_bytes_{tag}": float(n)
+                             for tag, n in self._allocator.stats().by_tag.items()})
+        return counters
+
     def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
         from tessellm_cuda.graphs import graph_batch_sizes
         return graph_batch_sizes(max_num_seqs)
@@ -200,6 +217,9 @@ class TritonInterpretDevice(DevicePlugin):
 
     def new_stream(self) -> TransferStream:
         return SynchronousStream()
+
+    def runtime_counters(self) -> dict[str, float]:
+        return host_pool_counters(self._host)
 
     def upload(self, host: torch.Tensor, tag: str) -> torch.Tensor:
         return self.allocator().adopt(host, tag)   # CPU memory is this device's memory
