@@ -123,6 +123,42 @@ INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *
 #endif
 }
 
+#ifdef __AVX512F__
+#define NR 4
+/* Decode (one row of x): NR output features at once, so each x block is loaded once for all of
+ * them and NR independent accumulator chains hide the FMA latency. res[r] for row n0 + r. */
+INLINE void rows_x1(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
+                    int qtype, int64_t n0, int nr, float *res) {
+    const int64_t nb = K / QK, bb = block_bytes(qtype);
+    __m512 acc[NR];
+    float off[NR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm512_setzero_ps(); off[r] = 0.f; }
+    const __m512i nib = _mm512_set1_epi32(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const __m512 xlo = _mm512_loadu_ps(x + b * QK), xhi = _mm512_loadu_ps(x + b * QK + 16);
+        const float sb = xs[b];
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *blk = w + (n0 + r) * row + b * bb;
+            const float d = f16_to_f32(blk);
+            __m512 lo, hi;
+            if (qtype == Q8_0) {
+                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+            } else {
+                const __m512i v = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2))));
+                lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nib));
+                hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                off[r] += (qtype == Q4_1 ? f16_to_f32(blk + 2) : -8.f * d) * sb;
+            }
+            const __m512 t = _mm512_fmadd_ps(hi, xhi, _mm512_mul_ps(lo, xlo));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]) + off[r];
+}
+#endif
+
 /* Returns 0, 1 on a bad format or K, 2 when scratch memory cannot be allocated. */
 int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                       int qtype, const float *bias, float *out) {
@@ -131,6 +167,20 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
     if (!xs) return 2;
     block_sums(x, M, K, xs);
+#ifdef __AVX512F__
+    if (M == 1) {
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < (N + NR - 1) / NR; g++) {
+            float res[NR];
+            const int64_t n0 = g * NR;
+            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+            rows_x1(x, xs, K, w, row, qtype, n0, nr, res);
+            for (int r = 0; r < nr; r++) out[n0 + r] = res[r] + (bias ? bias[n0 + r] : 0.f);
+        }
+        free(xs);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float res[MT];

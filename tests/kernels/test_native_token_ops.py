@@ -1,0 +1,100 @@
+"""The CPU plugin's C per-token kernels (native/token_ops.c) against the reference ops:
+rotary embedding, the KV-cache write (slot -1 skipped), RMSNorm plain and fused with the add;
+float32 and bfloat16, row-strided views of a fused qkv tensor, and the input checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessellm.kernels import reference as ref
+from tessellm.kernels.profiler import TOLERANCES
+from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
+                                           NativeWriteKV)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    rtol, atol = TOLERANCES[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+def _cos_sin(head_dim: int, positions: int = 256) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    f = torch.outer(torch.arange(positions).float(), inv)
+    return torch.cat((f.cos(), f.sin()), -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "nh", "nkv", "hd"), [(1, 9, 3, 64), (7, 4, 4, 8),
+                                                         (3, 8, 2, 128)])
+def test_rotary_matches_reference_on_qkv_views(dtype, tokens, nh, nkv, hd) -> None:
+    g = torch.Generator().manual_seed(tokens + hd)
+    qkv = torch.randn(tokens, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    q, k = qkv[:, :nh * hd], qkv[:, nh * hd:(nh + nkv) * hd]
+    pos = torch.randint(0, 256, (tokens,), generator=g)
+    before = qkv.clone()
+    got, want = NativeRotary()(pos, q, k, _cos_sin(hd), hd), ref.rotary_embedding(
+        pos, q, k, _cos_sin(hd), hd)
+    for a, b in zip(got, want):
+        _close(a, b)
+    assert torch.equal(qkv, before)
+
+
+def test_rotary_refuses_positions_outside_the_table() -> None:
+    q, k = torch.randn(2, 64), torch.randn(2, 64)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        NativeRotary()(torch.tensor([0, 256]), q, k, _cos_sin(64), 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_write_kv_matches_reference_and_skips_padding(dtype, block_size) -> None:
+    g = torch.Generator().manual_seed(block_size)
+    nkv, hd, nb = 3, 16, 6
+    qkv = torch.randn(5, 3 * nkv * hd, generator=g).to(dtype)
+    k, v = qkv[:, nkv * hd:2 * nkv * hd], qkv[:, 2 * nkv * hd:]
+    cache = torch.randn(2, nb, nkv, block_size, hd, generator=g).to(dtype)
+    want = cache.clone()
+    slots = torch.tensor([3, -1, nb * block_size - 1, block_size + 1, -1])
+    ref.write_kv_cache(k, v, want, slots)
+    NativeWriteKV()(k, v, cache, slots)
+    assert torch.equal(cache, want)
+
+
+def test_write_kv_refuses_a_slot_past_the_pool_and_writes_nothing() -> None:
+    cache = torch.zeros(2, 2, 1, 4, 8)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        NativeWriteKV()(torch.ones(2, 8), torch.ones(2, 8), cache, torch.tensor([1, 8]))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (6, 64), (3, 2048)])
+def test_rms_norms_match_reference(dtype, shape) -> None:
+    g = torch.Generator().manual_seed(shape[1])
+    x, r = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(shape[1], generator=g).to(dtype)
+    x[-1], r[-1] = 0, 0   # eps keeps a zero row finite
+    _close(NativeRmsNorm()(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    (n, s), (rn, rs) = NativeFusedAddRmsNorm()(x, r, w, 1e-6), ref.fused_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, rs)
+    _close(n, rn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_over_the_last_dim_of_per_head_views(dtype) -> None:
+    """qwen3 normalizes q and k per head: x is [tokens, heads, head_dim], a view of qkv."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 6 * 32, generator=g).to(dtype)
+    q = qkv[:, :4 * 32].unflatten(-1, (4, 32))
+    w = torch.randn(32, generator=g).to(dtype)
+    got = NativeRmsNorm()(q, w, 1e-6)
+    assert got.shape == q.shape
+    _close(got, ref.rms_norm(q, w, 1e-6))
+
+
+def test_rms_norm_refuses_mixed_dtypes() -> None:
+    with pytest.raises(TypeError, match="float32/bfloat16"):
+        NativeRmsNorm()(torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16), 1e-6)
