@@ -57,6 +57,16 @@ def test_bench_throughput_prints_one_json_line(capsys, stories_dir):
     assert result["prefix_hit_tokens"] == 0
 
 
+def test_bench_latency_profile_says_where_the_time_goes(capsys, stories_dir):
+    assert main(["bench", "latency", "--model", str(stories_dir), "--input-len", "20",
+                 "--output-len", "4", "--dtype", "float32", "--runs", "1", "--profile"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    prof = result["profile"]
+    assert prof["steps"] == 4
+    assert {"linear", "attention_decode", "rotary_embedding"} <= set(prof["ops"])
+    assert set(prof["stages_ms_per_step"]) >= {"schedule", "execute", "sample"}
+
+
 def test_errors_are_reported_without_a_traceback(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
     assert "tessellm: error:" in capsys.readouterr().err

@@ -47,6 +47,12 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         prompt_tokens = sum(len(p) for p in prompts)
         runs.append((wall, gen / wall, (gen + prompt_tokens) / wall))
     parts = llm.engine.parts
+    profile = None
+    if getattr(a, "profile", False):   # one more run, instrumented, not in the figures above
+        from tessellm.engine.op_profile import OpProfile
+        with OpProfile(llm.engine) as prof:
+            llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 2000, vocab), params)
+        profile = prof.report()
     return {
         "workload": "W1", "model": parts.source.name, "device": parts.device.name,
         "dtype": str(parts.dtype).removeprefix("torch."), "num_prompts": a.num_prompts,
@@ -60,4 +66,5 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         "total_tok_per_s": round(statistics.median(t for _, _, t in runs), 2),
         "prefix_hit_tokens": prefix.hits - hits0,
         "passes": parts.pass_report.applied,
+        **({"profile": profile} if profile is not None else {}),
     }

@@ -63,6 +63,13 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         if r:
             runs.append(res)
     med = {k: round(statistics.median(x[k] for x in runs), 2) for k in runs[0]}
+    profile = None
+    if getattr(a, "profile", False):   # one more run, instrumented, not in the figures above
+        from tessellm.engine.op_profile import OpProfile
+        ids = np.random.default_rng(a.seed + 2000).integers(100, high, size=a.input_len).tolist()
+        with OpProfile(llm.engine) as prof:
+            one_stream(llm, ids, a.output_len)
+        profile = prof.report()
     return {
         "workload": "W3/W4 one stream", "model": parts.source.name, "device": parts.device.name,
         "dtype": str(parts.dtype).removeprefix("torch."),
@@ -70,4 +77,5 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         "in_len": a.input_len, "out_len": a.output_len, "runs": a.runs,
         "load_s": round(load_s, 2), "weight_bytes": parts.weight_bytes,
         "rss_after_load_bytes": rss, **med,
+        **({"profile": profile} if profile is not None else {}),
     }

@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-output-len", type=int, default=4,
                    help="tokens per request of the warm-up run (on other prompts)")
     t.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    t.add_argument("--profile", action="store_true",
+                   help="one more run, instrumented: time per op kind and per stage")
     t.set_defaults(func=cmd_bench_throughput)
     lt = bsub.add_parser("latency", help="one stream: prefill and decode tok/s, W3/W4")
     _engine_args(lt)
@@ -189,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--output-len", type=int, default=128)
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up run")
+    lt.add_argument("--profile", action="store_true",
+                    help="one more run, instrumented: time per op kind and per stage")
     lt.set_defaults(func=cmd_bench_latency)
     sv = bsub.add_parser("serve", help="online serving against a running server, workload W2")
     sv.add_argument("--url", default="http://127.0.0.1:8000")

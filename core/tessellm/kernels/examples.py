@@ -117,7 +117,11 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         return [torch.randint(0, d["vocab"], (T,), generator=gen).to(dev),
                 w.with_data(w.data.to(dev))]
     if op == "rms_norm":  # the last row is zero: a kernel that ignores eps yields NaN there
-        x = _randn(gen, (T, d["hidden"]), dt, dev)
+        if "heads" in d:  # per-head norm (qwen3's q/k): a [T, heads, D] view of wider rows
+            wide = _randn(gen, (T, (d["heads"] + 1) * d["hidden"]), dt, dev)
+            x = wide[:, :d["heads"] * d["hidden"]].unflatten(-1, (d["heads"], d["hidden"]))
+        else:
+            x = _randn(gen, (T, d["hidden"]), dt, dev)
         x[-1] = 0
         return [x, _randn(gen, (d["hidden"],), dt, dev), 1e-6]
     if op == "fused_add_rms_norm":

@@ -42,8 +42,9 @@ def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
             q, k = (b.call(ops.merge_heads, b.op(
                 ops.rms_norm, b.call(ops.per_head, t, spec.head_dim),
                 b.weight(f"{p}.self_attn.{name}.weight"), spec.norm_eps,
-                dims={"hidden": spec.head_dim}, role=name, layer=i))
-                for t, name in ((q, "q_norm"), (k, "k_norm")))
+                dims={"hidden": spec.head_dim, "heads": heads}, role=name, layer=i))
+                for t, name, heads in ((q, "q_norm", spec.num_heads),
+                                       (k, "k_norm", spec.num_kv_heads)))
         qk = b.op(ops.rotary_embedding, inp.positions, q, k, cos_sin, spec.head_dim,
                   dims=spec.attention_dims, role="rope", layer=i)
         attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, inp.kv_caches[i],
