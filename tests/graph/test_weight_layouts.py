@@ -68,6 +68,22 @@ def test_adopted_weights_take_one_form_and_outputs_do_not_change(arch: str) -> N
     torch.testing.assert_close(plan.run(prefill_feeds(model.spec)), expected)
 
 
+def test_adopting_twice_changes_nothing() -> None:
+    """The server's core and the offline LLM both prepare kernels; an engine prepared twice
+    (EngineCoreClient.in_thread over an LLM's engine) must keep reading its prepared weights,
+    not fall back to plain kernels whose weights were dropped."""
+    model = make_model("llama")
+    expected = lower(model.graph, _selector(reference_registry(), "first"),
+                     torch.float32).run(prefill_feeds(model.spec))
+    plan = lower(model.graph, _selector(_registry(), {"linear": "linear_t"}), torch.float32)
+    for b in (1, 2, 4, 8):
+        select_all_kernels(plan, b, 4)
+    first = adopt_weight_layouts(plan, model.graph.weights)
+    assert first > 0
+    assert adopt_weight_layouts(plan, model.graph.weights) == 0
+    torch.testing.assert_close(plan.run(prefill_feeds(model.spec)), expected)
+
+
 def test_a_shared_weight_stays_plain_and_mixed_sites_are_unified() -> None:
     model = make_model("qwen2")                     # lm_head reads the embedding's weight
     registry = _registry()                          # plain and transposed kernels both offered

@@ -115,6 +115,10 @@ class KernelSite:
                 self._bind(b, k)
         return True
 
+    def holds_prepared(self) -> bool:
+        """True once the site has made its weight's layout form (adopt_weight_layouts)."""
+        return bool(self._prepared)
+
     def sole_layout(self) -> WeightLayout | None:
         """The weight layout every bucket chosen so far reads, or None if any reads plain."""
         layouts = {k.weight_layout for k in self._kernels.values()}
@@ -173,6 +177,8 @@ def adopt_weight_layouts(plan: ExecutionPlan, weights: dict[str, Any]) -> int:
         if not isinstance(site, KernelSite) or len(ins.args) < 2:
             continue
         w = ins.args[1]
+        if isinstance(w, Slot) and w.index not in plan.constants and site.holds_prepared():
+            continue  # adopted by an earlier call: it reads its prepared weight already
         if not isinstance(w, Slot) or w.index not in plan.constants \
                 or readers.get(id(plan.constants[w.index])) != 1:
             site.use_plain()  # shared (e.g. a tied embedding): one plain copy serves all

@@ -71,17 +71,22 @@ def embedding_packed_rows(ids, weight: PackedWeight):
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping):
-    """index_put over the slots; a padding slot (< 0) is redirected to slot 0 and writes back
-    the value already there, so nothing changes (no mask-dependent shapes)."""
+    """index_put over the slots. A padding token (slot < 0) takes the first real token's slot
+    and row, so duplicate indices write equal values and nothing else changes; a step of
+    padding alone rewrites slot 0 with its own value. No mask-dependent shapes."""
     _, _, nkv, block_size, hd = kv_cache.shape
+    T = slot_mapping.shape[0]
+    if T == 0:
+        return
     valid = slot_mapping >= 0
-    slots = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+    first = torch.argmax(valid.to(torch.int32))          # the first real token (0 if none)
+    src = torch.where(valid, torch.arange(T, device=slot_mapping.device), first)
+    any_valid = valid.any()
+    slots = torch.where(any_valid, slot_mapping[src], torch.zeros_like(slot_mapping))
     blocks, rows = slots // block_size, slots % block_size
-    keep = valid[:, None, None]
-    for i, src in enumerate((k, v)):
-        new = src.reshape(-1, nkv, hd).to(kv_cache.dtype)
-        old = kv_cache[i][blocks, :, rows]
-        kv_cache[i][blocks, :, rows] = torch.where(keep, new, old)
+    for i, x in enumerate((k, v)):
+        new = x.reshape(T, nkv, hd)[src].to(kv_cache.dtype)
+        kv_cache[i][blocks, :, rows] = torch.where(any_valid, new, kv_cache[i][blocks, :, rows])
 
 
 def _chunk_blocks(num_tokens: int, width: int, block_size: int, num_kv_heads: int,

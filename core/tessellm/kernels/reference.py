@@ -138,8 +138,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        q_pos = torch.arange(seq_len - (e - s), seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = scores.softmax(-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).flatten(1).to(q.dtype)
