@@ -1,5 +1,6 @@
 """The CPU plugin's kernels. Each has the reference op's signature; where two candidates exist
-the profiler picks the faster correct one per token bucket."""
+the profiler picks the faster correct one per token bucket. Plain-torch formulations that suit
+every device come from tessellm's portable kernels (plugin_api.portable)."""
 from __future__ import annotations
 
 import torch
@@ -7,17 +8,11 @@ import torch.nn.functional as F
 
 import logging
 
-from tessellm.plugin_api import Kernel, KernelQuery, PackedWeight, WeightLayout, dequantize
+from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable
 from tessellm_cpu import attention
 from tessellm_cpu.native_build import NativeBuildError
 
 log = logging.getLogger(__name__)
-
-
-def rms_norm_composite(x, weight, eps):
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rms_norm_aten(x, weight, eps):
@@ -29,31 +24,9 @@ def fused_add_rms_norm(x, residual, weight, eps):
     return rms_norm_aten(summed, weight, eps), summed
 
 
-def layer_norm(x, weight, bias, eps):
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
-def silu_and_mul_chunk(x):
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
-
-
 def silu_and_mul_inplace(x):
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]).mul_(x[..., d:])
-
-
-def rotary_neox(positions, q, k, cos_sin, head_dim):
-    half = cos_sin.shape[-1] // 2
-    cs = cos_sin.index_select(0, positions).to(q.dtype)
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-
-    def rope(x):
-        xh = x.view(x.shape[0], -1, head_dim)
-        x1, x2 = xh[..., :half], xh[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1)
-
-    return rope(q), rope(k)
 
 
 def write_kv_index_copy(k, v, kv_cache, slot_mapping):
@@ -105,14 +78,6 @@ def onednn_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
                    weight_layout=WeightLayout("onednn_blocked", onednn_prepack))]
 
 
-def linear_packed_dequant_matmul(x, weight: PackedWeight, bias=None):
-    return F.linear(x, dequantize(weight, x.dtype), bias)
-
-
-def embedding_packed_rows(ids, weight: PackedWeight):
-    return dequantize(weight.rows(ids))
-
-
 def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
     """The C kernels this machine can build and load. One that cannot (no compiler, an
     unusable cache directory, a timeout, a corrupt object, ...) is not offered: a warning
@@ -159,20 +124,20 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
     return native_kernels(device, not_offered) + [
         k("embedding", "embedding_aten", F.embedding),
         k("linear", "linear_aten", F.linear),
-        k("linear_packed", "linear_packed_dequant_matmul", linear_packed_dequant_matmul,
+        k("linear_packed", "linear_packed_dequant_matmul", portable.linear_packed_dequant,
           "dequantize to the activation dtype, then F.linear"),
-        k("embedding_packed", "embedding_packed_rows", embedding_packed_rows),
+        k("embedding_packed", "embedding_packed_rows", portable.embedding_packed_rows),
         k("rms_norm", "rms_norm_aten", rms_norm_aten, "F.rms_norm in float32"),
-        k("rms_norm", "rms_norm_composite", rms_norm_composite, "pow/mean/rsqrt in float32"),
+        k("rms_norm", "rms_norm_composite", portable.rms_norm, "pow/mean/rsqrt in float32"),
         k("fused_add_rms_norm", "fused_add_rms_norm_aten", fused_add_rms_norm),
-        k("layer_norm", "layer_norm_aten", layer_norm),
+        k("layer_norm", "layer_norm_aten", portable.layer_norm),
         k("add", "add_aten", torch.add),
         k("mul", "mul_aten", torch.mul),
         k("silu", "silu_aten", F.silu),
-        k("silu_and_mul", "silu_and_mul_chunk", silu_and_mul_chunk),
+        k("silu_and_mul", "silu_and_mul_chunk", portable.silu_and_mul),
         k("silu_and_mul", "silu_and_mul_inplace", silu_and_mul_inplace),
-        k("gelu_tanh", "gelu_tanh_aten", lambda x: F.gelu(x, approximate="tanh")),
-        k("rotary_embedding", "rotary_neox", rotary_neox),
+        k("gelu_tanh", "gelu_tanh_aten", portable.gelu_tanh),
+        k("rotary_embedding", "rotary_neox", portable.rotary_embedding),
         k("write_kv_cache", "write_kv_index_copy", write_kv_index_copy),
         k("attention_decode", "decode_batched_sdpa", attention.decode_batched_sdpa),
         k("attention_decode", "decode_batched_bmm", attention.decode_batched_bmm),
