@@ -11,6 +11,7 @@ already complete.
 """
 from __future__ import annotations
 
+import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -79,6 +80,21 @@ class AllocatorStats:
     allocated_bytes: int
     peak_bytes: int
     by_tag: dict[str, int]
+
+
+def host_memory_info() -> MemoryInfo:
+    """This machine's memory: total and available from /proc/meminfo (Linux), else from
+    sysconf with half of it assumed free. For devices whose memory is the host's."""
+    try:
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) * 1024
+        return MemoryInfo(total_bytes=fields["MemTotal"], free_bytes=fields["MemAvailable"])
+    except (OSError, KeyError, ValueError):
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(total_bytes=pages, free_bytes=pages // 2)
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:

@@ -17,6 +17,7 @@ from tessellm.device import (
     MemoryInfo,
     SynchronousStream,
     TransferStream,
+    host_memory_info,
 )
 from tessellm.kernels import portable, reference
 from tessellm.kernels.attention_metadata import AttentionMetadata
@@ -30,5 +31,5 @@ __all__ = [
     "DecodeGraphShape", "StaticShapes", "StaticStepShape",
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
     "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream",
-    "WeightLayout", "cache_root", "dequantize", "hookimpl", "quantize", "portable", "reference",
+    "WeightLayout", "cache_root", "dequantize", "host_memory_info", "hookimpl", "quantize", "portable", "reference",
 ]

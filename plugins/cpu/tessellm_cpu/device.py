@@ -1,7 +1,6 @@
 """The CPU device: host memory is device memory, transfers are synchronous copies."""
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -13,21 +12,8 @@ from tessellm.plugin_api import (
     MemoryInfo,
     SynchronousStream,
     TransferStream,
+    host_memory_info,
 )
-
-
-def _meminfo() -> MemoryInfo:
-    """Total and available memory from /proc/meminfo (Linux), else a conservative guess."""
-    try:
-        fields = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                fields[key] = int(value.split()[0]) * 1024
-        return MemoryInfo(total_bytes=fields["MemTotal"], free_bytes=fields["MemAvailable"])
-    except (OSError, KeyError, ValueError):
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return MemoryInfo(total_bytes=pages, free_bytes=pages // 2)
 
 
 class CpuDevice(DevicePlugin):
@@ -44,7 +30,7 @@ class CpuDevice(DevicePlugin):
         return Availability(True, "")
 
     def memory_info(self) -> MemoryInfo:
-        return _meminfo()
+        return host_memory_info()
 
     def allocator(self) -> DeviceAllocator:
         if self._allocator is None:

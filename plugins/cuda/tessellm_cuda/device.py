@@ -26,6 +26,7 @@ from tessellm.plugin_api import (
     MemoryInfo,
     SynchronousStream,
     TransferStream,
+    host_memory_info,
 )
 from tessellm_cuda import __version__
 from tessellm_cuda.pinned_pool import PinnedHostPool
@@ -155,11 +156,8 @@ class CudaDevice(DevicePlugin):
         return kv_budget_after_profile(self, profile_forward, utilization)
 
     def runtime_counters(self) -> dict[str, float]:
-        counters = host_pool_counters(self._host)
-        if self._allocator is not None:
-            counters.update({f"allocated_bytes_{tag}": float(n)
-                             for tag, n in self._allocator.stats().by_tag.items()})
-        return counters
+        """Read on every step: the host pool's counters only (cheap; no allocator walk)."""
+        return host_pool_counters(self._host)
 
     def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
         from tessellm_cuda.graphs import graph_batch_sizes
@@ -202,9 +200,7 @@ class TritonInterpretDevice(DevicePlugin):
         return Availability(True, "")
 
     def memory_info(self) -> MemoryInfo:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return MemoryInfo(total_bytes=pages, free_bytes=avail)
+        return host_memory_info()
 
     def allocator(self) -> DeviceAllocator:
         with self._lock:

@@ -11,7 +11,6 @@ update op in the step's graph) before `copy` returns.
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 from typing import Any
 
@@ -27,6 +26,7 @@ from tessellm.plugin_api import (
     StaticStepShape,
     SynchronousStream,
     TransferStream,
+    host_memory_info,
 )
 from tessellm_xla import __version__
 
@@ -40,12 +40,6 @@ def powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out + [limit])
-
-
-def _host_meminfo() -> MemoryInfo:
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return MemoryInfo(total_bytes=pages, free_bytes=avail)
 
 
 class XlaStepPlan:
@@ -102,7 +96,7 @@ class XlaDevice(DevicePlugin):
             total = int(info["bytes_limit"])
             return MemoryInfo(total_bytes=total, free_bytes=total - int(info["bytes_used"]))
         except (RuntimeError, KeyError, TypeError):
-            return _host_meminfo()
+            return host_memory_info()
 
     def synchronize(self) -> None:
         import torch_xla
