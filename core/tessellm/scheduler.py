@@ -218,6 +218,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._batch.running)
 
+    def num_by_priority(self) -> tuple[list[int], list[int]]:
+        """(running, waiting) request counts per priority class (index = class)."""
+        running = [0] * self._requests.priority_levels
+        for ticket in self._batch.running:
+            running[ticket.priority] += 1
+        return running, self._requests.num_waiting_by_class()
+
     @property
     def has_unfinished(self) -> bool:
         return self._requests.has_unfinished

@@ -53,6 +53,8 @@ class Ready(msgspec.Struct, tag=True):
     weight_bytes: int
     eos_token_ids: list[int]
     kernel_choices: dict[str, str]  # profiled "op|dtype|T<bucket>|dims" -> kernel name
+    plugin: str = ""                # entry-point name of the plugin providing the device
+    plugin_version: str = ""        # its distribution's version
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -91,6 +93,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     host_syncs: int
     stage_seconds: dict[str, float]
     device_counters: dict[str, float]   # DevicePlugin.runtime_counters() (xla: compilations)
+    running_by_priority: list[int] = []  # [i]: running requests of priority class i
+    waiting_by_priority: list[int] = []  # [i]: waiting (incl. preempted) ones of class i
 
 
 class StepOutputs(msgspec.Struct, tag=True):

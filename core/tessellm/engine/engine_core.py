@@ -13,6 +13,7 @@ ends every open request with an error.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
+from tessellm.plugin_spec import ENTRY_POINT_GROUP
 from tessellm.request import FinishReason
 
 log = logging.getLogger(__name__)
@@ -38,11 +40,22 @@ HEARTBEAT_S = 0.25
 
 def core_stats(engine: LLMEngine) -> CoreStats:
     s, prefix = engine.stats, engine.scheduler.prefix_cache_stats
+    running, waiting = engine.scheduler.num_by_priority()
     return CoreStats(engine.scheduler.num_running, engine.scheduler.num_waiting,
                      engine.kv.usage, s.num_steps, s.num_preemptions, s.num_prompt_tokens,
                      s.num_generated_tokens, prefix.queries, prefix.hits,
                      engine.runner.host_syncs, dict(engine.stage_times.snapshot()),
-                     engine.parts.device.runtime_counters())
+                     engine.parts.device.runtime_counters(), running, waiting)
+
+
+def device_plugin_of(device: object) -> tuple[str, str]:
+    """(entry-point name, distribution version) of the plugin whose package defines the
+    device's class; ("", "") when no `tessellm.plugins` entry point lives in that package."""
+    package = type(device).__module__.partition(".")[0]
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value.partition(":")[0].partition(".")[0] == package:
+            return ep.name, ep.dist.version if ep.dist is not None else ""
+    return "", ""
 
 
 def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
@@ -50,7 +63,7 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
     return Ready(os.getpid(), p.device.name, str(p.dtype).removeprefix("torch."),
                  engine.max_model_len, p.spec.vocab_size, p.config.priority_levels,
                  p.config.block_size, engine.kv.num_blocks, p.weight_bytes,
-                 sorted(p.eos_token_ids), kernel_choices)
+                 sorted(p.eos_token_ids), kernel_choices, *device_plugin_of(p.device))
 
 
 class EngineCoreLoop:

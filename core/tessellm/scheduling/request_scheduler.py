@@ -193,6 +193,10 @@ class RequestScheduler:
     def num_waiting(self) -> int:
         return self._num_waiting
 
+    def num_waiting_by_class(self) -> list[int]:
+        """[i]: waiting requests of priority class i (their class, not their aged level)."""
+        return [len(heap) for heap in self._heaps]
+
     # ---- bookkeeping -----------------------------------------------------------------------
 
     def get(self, request_id: str) -> Ticket | None:
