@@ -4,10 +4,13 @@ Middlewares, outermost first:
   1. context: the server's own request id (`cmpl-<uuid>`, the engine's id); the client's
      X-Request-Id, when valid, is logged beside it and echoed on every answer (else the
      server's id is); every error, expected or not, becomes an OpenAI error object here;
-  2. guard: while draining (SIGTERM) /v1/* answers 503; with an API key, /v1/* requires
-     `Authorization: Bearer <key>` (compared in constant time) or answers 401.
-/health, /metrics and /v1/models are cheap and never touch the engine's queue.
-The engine is started when the app starts and shut down (aborting leftovers) on cleanup.
+  2. guard: while draining (SIGTERM) /v1/* answers 503; with an API key, /v1/* and /api/*
+     (the dashboard's JSON) require `Authorization: Bearer <key>` (compared in constant
+     time) or answer 401.
+/health, /metrics, /v1/models and /api/dashboard are cheap and never touch the engine's
+queue. / and /ui/* are the built-in web page (web_ui.py): static, no key needed.
+The engine and the dashboard's history sampler are started when the app starts and stopped
+(aborting leftovers) on cleanup.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from aiohttp import web
 
 from tessellm.server.chat import create_chat_completion
 from tessellm.server.completions import create_completion
+from tessellm.server.dashboard import DASHBOARD_PATH, dashboard
 from tessellm.server.errors import APIError, from_exception, internal_error
 from tessellm.server.requests import (
     ARRIVAL,
@@ -31,6 +35,7 @@ from tessellm.server.requests import (
     new_request_id,
 )
 from tessellm.server.state import ServerState
+from tessellm.server.web_ui import add_web_ui
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -69,9 +74,9 @@ async def context_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 @web.middleware
 async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.path.startswith("/v1/"):
+    if request.path.startswith(("/v1/", "/api/")):
         state = request.app[STATE_KEY]
-        if state.draining:
+        if state.draining and request.path.startswith("/v1/"):
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         key = state.config.api_key
         if key is not None:
@@ -112,10 +117,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _start_engine(app: web.Application) -> None:
     app[STATE_KEY].engine.start()
+    app[STATE_KEY].history.start()
 
 
 async def _stop_engine(app: web.Application) -> None:
     state = app[STATE_KEY]
+    await state.history.stop()
     await state.engine.shutdown(0.0)
     state.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -131,6 +138,8 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(DASHBOARD_PATH, dashboard)
+    add_web_ui(app)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     return app

@@ -7,7 +7,9 @@ Two sources, so that nothing goes stale between engine steps:
   tokens, as vLLM's prefix_cache_queries / prefix_cache_hits), cumulative seconds per engine
   stage, plus the front end's own: engine-core liveness, IPC seconds, detokenize seconds;
 - request latencies are observed as they happen: queue time reported by the core (the
-  EngineObserver hook), TTFT, inter-token latency and end-to-end latency from the handlers.
+  EngineObserver hook), TTFT, inter-token latency and end-to-end latency from the handlers;
+  TTFT and TPOT (a sequence's mean time per output token after its first) also go to
+  time-windowed samples (RecentLatencies) for the dashboard's percentiles.
 No module-level state: two apps in one process have two registries.
 """
 from __future__ import annotations
@@ -20,7 +22,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tessellm.engine.async_engine import AsyncEngine
+from tessellm.server.latency_window import RecentLatencies
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0)
 TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
@@ -101,6 +105,8 @@ class ServerMetrics:
                              "Arrival to last token", buckets=LATENCY_BUCKETS, registry=r)
         self.finished = Counter("tessellm:request_finished", "Finished sequences by reason "
                                 "(stop, length, abort, error)", ["finished_reason"], registry=r)
+        self.recent_ttft = RecentLatencies()
+        self.recent_tpot = RecentLatencies()
 
     # EngineObserver (called on the event loop when the core reports a first schedule).
     def on_first_scheduled(self, request_id: str, queue_time_s: float) -> None:
@@ -109,6 +115,13 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def finished_counts(self) -> dict[str, int]:
+        """Finished sequences per reason since start (the request_finished counter)."""
+        get = self.registry.get_sample_value
+        return {reason: int(get("tessellm:request_finished_total",
+                                {"finished_reason": reason}) or 0)
+                for reason in FINISH_REASONS}
+
     def timer(self, start: float) -> SequenceTimer:
         return SequenceTimer(self, start)
 
@@ -116,17 +129,23 @@ class ServerMetrics:
 class SequenceTimer:
     """Latencies of one generated sequence, seen from the handler (time.monotonic)."""
 
-    __slots__ = ("_done", "_last", "_m", "_start")
+    __slots__ = ("_done", "_first", "_last", "_m", "_start", "_tokens")
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
-        self._m, self._start, self._last, self._done = metrics, start, None, False
+        self._m, self._start, self._done = metrics, start, False
+        self._first: float | None = None
+        self._last: float | None = None
+        self._tokens = 0
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
         now = time.monotonic()
+        self._tokens += num_tokens
         if self._last is None:
+            self._first = now
             self._m.ttft.observe(now - self._start)
+            self._m.recent_ttft.observe(now - self._start, now)
         else:
             gap = (now - self._last) / num_tokens
             for _ in range(num_tokens):
@@ -138,3 +157,5 @@ class SequenceTimer:
             self._done = True
             self._m.e2e.observe(time.monotonic() - self._start)
             self._m.finished.labels(reason).inc()
+            if self._first is not None and self._last is not None and self._tokens > 1:
+                self._m.recent_tpot.observe((self._last - self._first) / (self._tokens - 1))

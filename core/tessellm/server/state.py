@@ -19,6 +19,7 @@ from tessellm.engine.async_engine import AsyncEngine, RequestStream
 from tessellm.engine.chat_template import encode_chat
 from tessellm.models.source import ModelSource
 from tessellm.sampling_params import SamplingParams
+from tessellm.server.engine_history import EngineHistory
 from tessellm.server.errors import APIError
 from tessellm.server.logprobs import TokenTexts
 from tessellm.server.metrics import ServerMetrics
@@ -52,6 +53,10 @@ class ServerState:
         max_workers=1, thread_name_prefix="tessellm-tokenize"))
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    history: EngineHistory = field(init=False)  # the dashboard's per-second samples
+
+    def __post_init__(self) -> None:
+        self.history = EngineHistory(self.engine)
 
     @classmethod
     def build(cls, engine: AsyncEngine, tokenizer: Any, config: ServerConfig,
