@@ -1,4 +1,4 @@
-"""`tessellm` command: generate, serve, plugins, kernels, bench."""
+"""`tessellm` command: generate, serve, plugins, kernels, conformance, bench."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +83,14 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_conformance(a: argparse.Namespace) -> int:
+    from tessellm.testing import run_conformance
+    groups = a.checks.split(",") if a.checks else None
+    report = run_conformance(a.device, model_dir=a.model, groups=groups)
+    print(report.to_json() if a.json else report.table())
+    return 0 if report.passed else 1
+
+
 def cmd_bench_throughput(a: argparse.Namespace) -> int:
     from tessellm.cli.bench import bench_throughput
     print(json.dumps(bench_throughput(a, engine_options(a))))
@@ -149,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--buckets", default="1,16,256", help="token buckets to rank, comma-separated")
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=cmd_kernels)
+
+    c = sub.add_parser("conformance", help="check a device plugin against the reference: "
+                       "kernels, allocator, streams, end to end (exit 0 only if all pass)")
+    c.add_argument("--device", required=True, help="device name (see `tessellm plugins`)")
+    c.add_argument("--model", default=None, help="stories260K-hf directory with "
+                   "reference_greedy.json (default: $TESSELLM_CONFORMANCE_MODEL, else "
+                   "$TESSELLM_SHARED_DIR/models/stories260K-hf)")
+    c.add_argument("--checks", default=None, help="comma-separated groups to run "
+                   "(availability always runs): availability, memory, allocator, "
+                   "host_allocator, streams, kernels, end_to_end; default: all")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_conformance)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server "
                        "(SmolLM2-135M-Instruct without --model)")

@@ -55,7 +55,7 @@ def rotary_embedding(positions, q, k, cos_sin, head_dim):
     cos, sin = cs[:, None, :half], cs[:, None, half:]
 
     def rope(x):
-        xh = x.reshape(x.shape[0], -1, head_dim)
+        xh = x.unflatten(-1, (-1, head_dim))   # not reshape(T, -1, D): T may be 0
         x1, x2 = xh[..., :half], xh[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(1)
 

@@ -131,6 +131,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     qsl = meta.query_start_loc.tolist()
     for i in range(meta.num_seqs):
         s, e = qsl[i], qsl[i + 1]
+        if e == s:   # no query rows (a static-shape padding sequence): no output
+            continue
         seq_len = meta.seq_lens_host[i]
         qi = q[s:e].view(e - s, -1, head_dim).float()
         k, v = gather_kv(kv_cache, meta.block_tables[i], seq_len, meta.block_size)

@@ -58,7 +58,7 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr, q_stride, k_st
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2 = t.reshape(t.shape[0], -1)
+    t2 = t.flatten(1) if t.dim() > 2 else t   # not reshape(T, -1): T may be 0
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 

@@ -1,0 +1,329 @@
+"""The conformance matrix: seeded host inputs for every op, over dtypes and shapes.
+
+`kernel_cases(op, padding)` lists KernelCases; each builds the op's positional arguments (in
+the reference signature) on the host, from a generator seeded by the case's label, so every
+kernel and the reference see the same values. Shapes cover what the engine sends: empty and
+single-token batches, GQA ratios 1/2/4/8, head dims 64/80/128, block sizes 8/16/32, partial
+last blocks, block tables padded with block 0, padding slots (-1) that write_kv_cache skips,
+and the padded steps of devices that declare them (`Padding`): decode-graph padding rows
+(slot -1, seq_len 1, a table of block 0) and static-shape padding (rows past the last
+sequence, sequences with query_len 0 and seq_len 0). `compare_rows` names the output rows the
+engine reads; rows it never reads (padding) are not compared.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from tessellm.errors import KernelError
+from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
+from tessellm.kernels.examples import fill_unowned_slots, make_example
+from tessellm.kernels.registry import KernelQuery
+from tessellm.quant.formats import PACKED_FORMATS, quantize
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROW_COUNTS = (0, 1, 7)                  # empty, single-token and a few-token batch
+HEADS = ((4, 4, 64), (4, 2, 80), (8, 2, 128), (8, 1, 64))   # (num_heads, num_kv_heads, head_dim)
+PACKED = tuple(PACKED_FORMATS.values())     # Q4_0, Q4_1, Q8_0
+
+
+@dataclass(slots=True, frozen=True)
+class Padding:
+    """Which padded steps the device's engine sends it (from its DevicePlugin answers)."""
+
+    decode_graphs: bool = False     # decode_graph_sizes(...) is not empty
+    static_shapes: bool = False     # static_shapes(...) is not None
+
+
+@dataclass(slots=True)
+class CaseInputs:
+    args: list[Any]                         # host tensors in the op's reference signature
+    compare_rows: int | None = None         # compare output rows [:compare_rows]; None: all
+
+
+@dataclass(slots=True, frozen=True)
+class KernelCase:
+    label: str
+    query: KernelQuery
+    build: Callable[[torch.Generator], CaseInputs]
+
+    def inputs(self) -> CaseInputs:
+        return self.build(torch.Generator().manual_seed(zlib.crc32(self.label.encode())))
+
+
+def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype,
+           scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen) * scale).to(dtype)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _case(op: str, dtype: torch.dtype, tokens: int, dims: dict[str, int], tag: str,
+          build: Callable[[torch.Generator], CaseInputs]) -> KernelCase:
+    query = KernelQuery(op, dtype, tokens, tuple(sorted(dims.items())))
+    return KernelCase(f"{op} {_short(dtype)} T={tokens} {tag}".rstrip(), query, build)
+
+
+# -- row-wise ops ------------------------------------------------------------------------------
+
+def _row_cases(op: str) -> list[KernelCase]:
+    out = []
+    for dt in DTYPES:
+        for T in ROW_COUNTS:
+            for width in (64, 80):
+                out += _row_case(op, dt, T, width)
+    return out
+
+
+def _zero_last(*xs: torch.Tensor) -> None:
+    for x in xs:   # an all-zero row: a norm that ignores eps divides by zero there
+        if x.shape[0]:
+            x[-1] = 0
+
+
+def _row_case(op: str, dt: torch.dtype, T: int, h: int) -> list[KernelCase]:
+    def build_args(make: Callable[[torch.Generator], list[Any]]):
+        return lambda gen: CaseInputs(make(gen))
+
+    if op == "embedding":
+        return [_case(op, dt, T, {"vocab": 50, "hidden": h}, f"hidden={h}", build_args(
+            lambda g: [torch.randint(0, 50, (T,), generator=g), _randn(g, (50, h), dt)]))]
+    if op == "linear":
+        bias = int(h == 80)
+        return [_case(op, dt, T, {"in_features": h, "out_features": 48, "bias": bias},
+                      f"in={h} out=48 bias={bias}", build_args(lambda g: [
+                          _randn(g, (T, h), dt), _randn(g, (48, h), dt, h ** -0.5),
+                          _randn(g, (48,), dt) if bias else None]))]
+    if op == "rms_norm":
+        def flat(g):
+            x = _randn(g, (T, h), dt)
+            _zero_last(x)
+            return [x, _randn(g, (h,), dt), 1e-6]
+
+        def per_head(g):   # qwen3's q/k norm: a strided [T, heads, D] view of wider rows
+            wide = _randn(g, (T, 5 * h), dt)
+            x = wide[:, :4 * h].unflatten(-1, (4, h))
+            _zero_last(x)
+            return [x, _randn(g, (h,), dt), 1e-6]
+        return [_case(op, dt, T, {"hidden": h}, f"hidden={h}", build_args(flat)),
+                _case(op, dt, T, {"hidden": h, "heads": 4}, f"hidden={h} per-head view",
+                      build_args(per_head))]
+    if op == "fused_add_rms_norm":
+        def fused(g):
+            x, r = _randn(g, (T, h), dt), _randn(g, (T, h), dt)
+            _zero_last(x, r)
+            return [x, r, _randn(g, (h,), dt), 1e-6]
+        return [_case(op, dt, T, {"hidden": h}, f"hidden={h}", build_args(fused))]
+    if op == "layer_norm":
+        return [_case(op, dt, T, {"hidden": h}, f"hidden={h}", build_args(lambda g: [
+            _randn(g, (T, h), dt), _randn(g, (h,), dt), _randn(g, (h,), dt), 1e-5]))]
+    if op == "add":
+        return [_case(op, dt, T, {"hidden": h}, f"hidden={h}", build_args(
+            lambda g: [_randn(g, (T, h), dt), _randn(g, (T, h), dt)]))]
+    if op == "mul":
+        return [_case(op, dt, T, {"features": h}, f"features={h}", build_args(
+            lambda g: [_randn(g, (T, h), dt), _randn(g, (T, h), dt)]))]
+    if op in ("silu", "gelu_tanh"):
+        return [_case(op, dt, T, {"features": h}, f"features={h}", build_args(
+            lambda g: [_randn(g, (T, h), dt, 3.0)]))]
+    if op == "silu_and_mul":
+        return [_case(op, dt, T, {"features": h}, f"features={h}", build_args(
+            lambda g: [_randn(g, (T, 2 * h), dt, 3.0)]))]
+    raise KernelError(f"no row-wise conformance cases for op {op!r}")
+
+
+def _packed_cases(op: str) -> list[KernelCase]:
+    out = []
+    for dt in DTYPES:
+        for fmt in PACKED:
+            for T in ROW_COUNTS:
+                if op == "linear_packed":
+                    bias = int(fmt.name == "Q4_0")
+                    dims = {"in_features": 64, "out_features": 40, "bias": bias,
+                            "qtype": fmt.ggml_type}
+
+                    def build(g, fmt=fmt, dt=dt, T=T, bias=bias):
+                        w = quantize(torch.randn((40, 64), generator=g) * 0.125, fmt, dt)
+                        return CaseInputs([_randn(g, (T, 64), dt), w,
+                                           _randn(g, (40,), dt) if bias else None])
+                else:
+                    dims = {"vocab": 30, "hidden": 64, "qtype": fmt.ggml_type}
+
+                    def build(g, fmt=fmt, dt=dt, T=T):
+                        w = quantize(torch.randn((30, 64), generator=g), fmt, dt)
+                        return CaseInputs([torch.randint(0, 30, (T,), generator=g), w])
+                out.append(_case(op, dt, T, dims, fmt.name, build))
+    return out
+
+
+def _rotary_cases() -> list[KernelCase]:
+    out = []
+    for dt in DTYPES:
+        for T in ROW_COUNTS:
+            for nh, nkv, hd in HEADS[:3]:
+                def build(g, nh=nh, nkv=nkv, hd=hd, dt=dt, T=T):
+                    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+                    f = torch.outer(torch.arange(512).float(), inv)
+                    cos_sin = torch.cat((f.cos(), f.sin()), -1)
+                    return CaseInputs([torch.randint(0, 512, (T,), generator=g),
+                                       _randn(g, (T, nh * hd), dt), _randn(g, (T, nkv * hd), dt),
+                                       cos_sin, hd])
+                out.append(_case("rotary_embedding", dt, T,
+                                 {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd},
+                                 f"heads={nh}/{nkv} head_dim={hd}", build))
+    return out
+
+
+# -- the paged KV cache -----------------------------------------------------------------------
+
+def _write_kv_cases() -> list[KernelCase]:
+    """T real tokens at random slots; `pad` more tokens with slot -1 (written nowhere)."""
+    out = []
+    shapes = ((2, 64, 16), (1, 80, 8), (4, 128, 32))
+    for dt in DTYPES:
+        for (nkv, hd, bs), (T, pad) in zip(shapes * 2, ((0, 0), (1, 0), (5, 1), (0, 3),
+                                                         (6, 2), (1, 1))):
+            def build(g, nkv=nkv, hd=hd, bs=bs, T=T, pad=pad, dt=dt):
+                nblocks = max(2, math.ceil((T + 1) / bs) * 2)
+                slots = torch.randperm(nblocks * bs, generator=g)[:T].tolist() + [-1] * pad
+                order = torch.randperm(T + pad, generator=g).tolist()   # padding anywhere
+                slot_t = torch.tensor([slots[i] for i in order], dtype=torch.int64)
+                n = T + pad
+                return CaseInputs([_randn(g, (n, nkv * hd), dt), _randn(g, (n, nkv * hd), dt),
+                                   _randn(g, (2, nblocks, nkv, bs, hd), dt), slot_t])
+            tag = f"kv_heads={nkv} head_dim={hd} block={bs} padding_slots={pad}"
+            out.append(_case("write_kv_cache", dt, T + pad, {"num_kv_heads": nkv, "head_dim": hd},
+                             tag, build))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class _AttnShape:
+    heads: tuple[int, int, int]
+    block_size: int
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    extra_columns: int = 0           # block-table columns past every sequence's need (block 0)
+    pad_decodes: int = 0             # decode-graph padding sequences (slot -1, seq_len 1)
+    pad_rows: int = 0                # static-shape padding token rows past every sequence
+    pad_seqs: int = 0                # static-shape padding sequences (query_len 0, seq_len 0)
+
+
+def _attention_inputs(g: torch.Generator, s: _AttnShape, dt: torch.dtype, num_decodes: int
+                      ) -> CaseInputs:
+    nh, nkv, hd = s.heads
+    bs = s.block_size
+    qlens = list(s.query_lens) + [1] * s.pad_decodes + [0] * s.pad_seqs
+    slens = list(s.seq_lens) + [1] * s.pad_decodes + [0] * s.pad_seqs
+    need = [math.ceil(n / bs) for n in s.seq_lens]
+    num_blocks = sum(need) + 2                      # block 0 is the null block, one spare
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(need, default=1) + s.extra_columns
+    tables, cursor = [], 0
+    for n in need:
+        tables.append(perm[cursor:cursor + n] + [0] * (width - n))
+        cursor += n
+    tables += [[0] * width] * (s.pad_decodes + s.pad_seqs)
+    meta = metadata_from_tables(qlens, slens, tables, num_decodes + s.pad_decodes, bs)
+    real_tokens = sum(s.query_lens)
+    if s.pad_decodes or s.pad_rows:
+        slots = meta.slot_mapping.tolist()[:real_tokens]
+        slots += [-1] * (s.pad_decodes + s.pad_rows)
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        meta.num_prefill_tokens += s.pad_rows
+    cache = _randn(g, (2, num_blocks, nkv, bs, hd), dt)
+    fill_unowned_slots(cache, meta, g)
+    q = _randn(g, (real_tokens + s.pad_decodes + s.pad_rows, nh * hd), dt)
+    return CaseInputs([q, cache, meta, 1.0 / math.sqrt(hd)], compare_rows=real_tokens)
+
+
+# decode: one query token per sequence; seq_len 1 (a single cached token), exact and partial
+# last blocks, padded tables
+_DECODE_SHAPES = (
+    _AttnShape((4, 4, 64), 16, (1,), (1,)),
+    _AttnShape((4, 4, 64), 16, (1, 1, 1), (17, 33, 16)),
+    _AttnShape((4, 2, 80), 8, (1, 1, 1), (8, 9, 23), extra_columns=2),
+    _AttnShape((8, 2, 128), 32, (1, 1), (64, 5)),
+    _AttnShape((8, 1, 64), 16, (1, 1), (3, 40), extra_columns=1),
+)
+# prefill: whole prompts, chunks after cached context, a one-token chunk, mixed lengths
+_PREFILL_SHAPES = (
+    _AttnShape((4, 4, 64), 16, (1,), (1,)),
+    _AttnShape((4, 2, 64), 16, (7,), (7,)),
+    _AttnShape((4, 2, 80), 8, (5, 1, 9), (5, 12, 20), extra_columns=1),
+    _AttnShape((8, 2, 128), 32, (6, 3), (38, 3)),
+    _AttnShape((8, 1, 64), 16, (17, 2), (17, 35), extra_columns=2),
+)
+
+
+def _attention_cases(op: str, padding: Padding) -> list[KernelCase]:
+    shapes = list(_DECODE_SHAPES if op == "attention_decode" else _PREFILL_SHAPES)
+    if op == "attention_decode" and padding.decode_graphs:
+        shapes += [_AttnShape((4, 2, 64), 16, (1, 1), (20, 3), extra_columns=1, pad_decodes=2)]
+    if op == "attention_prefill" and padding.static_shapes:   # decodes ride as prefills
+        shapes += [_AttnShape((4, 2, 64), 16, (1, 4, 1), (9, 4, 30), pad_rows=3, pad_seqs=2),
+                   _AttnShape((8, 2, 128), 8, (1,), (1,), pad_rows=7, pad_seqs=3)]
+    out = []
+    for dt in DTYPES:
+        for s in shapes:
+            nh, nkv, hd = s.heads
+            decodes = len(s.query_lens) if op == "attention_decode" else 0
+            tag = (f"heads={nh}/{nkv} head_dim={hd} block={s.block_size} "
+                   f"query_lens={list(s.query_lens)} seq_lens={list(s.seq_lens)}")
+            if s.extra_columns:
+                tag += f" table+{s.extra_columns}"
+            if s.pad_decodes:
+                tag += f" decode-graph padding x{s.pad_decodes}"
+            if s.pad_rows or s.pad_seqs:
+                tag += f" static padding rows={s.pad_rows} seqs={s.pad_seqs}"
+            tokens = sum(s.query_lens) + s.pad_decodes + s.pad_rows
+            out.append(_case(op, dt, tokens, {"num_heads": nh, "num_kv_heads": nkv,
+                                              "head_dim": hd}, tag,
+                             lambda g, s=s, dt=dt, nd=decodes: _attention_inputs(g, s, dt, nd)))
+    return out
+
+
+def _sample_cases() -> list[KernelCase]:
+    out = []
+    for T, vocab in ((1, 300), (5, 300), (3, 1000)):
+        query = KernelQuery("sample_tokens", torch.float32, T, (("vocab", vocab),))
+        # the profiler's seeded example: distinct logits, rows cycling every filter on and off
+        out.append(KernelCase(f"sample_tokens float32 T={T} vocab={vocab}", query,
+                              lambda g, q=query: CaseInputs(make_example(q, "cpu"))))
+    return out
+
+
+_ROW_OPS = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "layer_norm", "add", "mul",
+            "silu", "gelu_tanh", "silu_and_mul")
+
+
+def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
+    """Every conformance case of `op`; KernelError for an op the matrix does not know."""
+    if op in _ROW_OPS:
+        return _row_cases(op)
+    if op in ("linear_packed", "embedding_packed"):
+        return _packed_cases(op)
+    if op == "rotary_embedding":
+        return _rotary_cases()
+    if op == "write_kv_cache":
+        return _write_kv_cases()
+    if op in ("attention_decode", "attention_prefill"):
+        return _attention_cases(op, padding)
+    if op == "sample_tokens":
+        return _sample_cases()
+    raise KernelError(f"the conformance kit has no cases for op {op!r}")
+
+
+def attention_metadata_to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    """The same metadata with its tensors on `device` (host lists unchanged)."""
+    return AttentionMetadata(
+        meta.num_decodes, meta.num_prefills, meta.num_decode_tokens, meta.num_prefill_tokens,
+        meta.block_size, meta.slot_mapping.to(device), meta.block_tables.to(device),
+        meta.seq_lens.to(device), meta.query_start_loc.to(device), list(meta.seq_lens_host),
+        list(meta.query_lens_host), meta.max_seq_len, meta.max_query_len)

@@ -1,0 +1,127 @@
+"""The conformance suite of one device: which checks run, in which order, and their results.
+
+`plan_checks` lists the checks of a device (its availability first; when it is available,
+memory info, allocator, upload, host allocator, streams and events, one check per kernel it
+offers, then end to end). `run_checks` runs them in order: a check passes when it returns (its
+detail), fails when it raises — CheckFailed carries the verdict, any other exception is a
+failure naming its type. Nothing is skipped silently: an unavailable device yields its failed
+availability check alone, and the report fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from tessellm.device import DevicePlugin
+from tessellm.errors import ConfigError
+from tessellm.kernels.reference import REFERENCE_OPS
+from tessellm.plugins import PluginManager
+from tessellm.testing import memory_checks as mem
+from tessellm.testing import stream_checks as streams
+from tessellm.testing.end_to_end import check_stories_greedy
+from tessellm.testing.kernel_cases import Padding
+from tessellm.testing.kernel_checks import CheckFailed, check_kernel
+from tessellm.testing.results import CheckResult, ConformanceReport
+
+GROUPS = ("availability", "memory", "allocator", "host_allocator", "streams", "kernels",
+          "end_to_end")
+
+
+@dataclass(slots=True, frozen=True)
+class Check:
+    name: str
+    group: str
+    run: Callable[[], str]
+
+    def result(self) -> CheckResult:
+        try:
+            return CheckResult(self.name, "PASS", self.run())
+        except CheckFailed as exc:
+            return CheckResult(self.name, "FAIL", str(exc))
+        except Exception as exc:
+            return CheckResult(self.name, "FAIL", f"raised {type(exc).__name__}: {exc}")
+
+
+def device_padding(device: DevicePlugin) -> Padding:
+    """The padded steps this device's engine sends its kernels."""
+    return Padding(decode_graphs=bool(device.decode_graph_sizes(8)),
+                   static_shapes=device.static_shapes(64, 8) is not None)
+
+
+def _kernel_checks(manager: PluginManager, device: DevicePlugin) -> list[Check]:
+    registry = manager.kernel_registry()
+    ops = registry.ops(device.name)
+    padding = device_padding(device)
+
+    def known_ops() -> str:
+        if not ops:
+            raise CheckFailed("the device offers no kernels")
+        unknown = sorted(set(ops) - set(REFERENCE_OPS))
+        if unknown:
+            raise CheckFailed(f"kernels for ops without a reference: {', '.join(unknown)}")
+        return f"{len(ops)} ops: {', '.join(ops)}"
+
+    checks = [Check("kernels.ops", "kernels", known_ops)]
+    for op in ops:
+        if op not in REFERENCE_OPS:
+            continue
+        for kernel in registry.kernels(device.name, op):
+            checks.append(Check(f"kernel:{op}/{kernel.name}", "kernels",
+                                lambda k=kernel: check_kernel(k, device.torch_device_type,
+                                                              padding)))
+    return checks
+
+
+def plan_checks(device_name: str, manager: PluginManager | None = None,
+                model_dir: str | Path | None = None,
+                groups: Iterable[str] | None = None) -> list[Check]:
+    """The checks of `device_name` (ConfigError for a device no loaded plugin provides, or an
+    unknown group). `groups` limits them to some of GROUPS (default: all)."""
+    manager = manager or PluginManager().load()
+    chosen = set(GROUPS if groups is None else groups)
+    if chosen - set(GROUPS):
+        raise ConfigError(f"unknown conformance group(s) {sorted(chosen - set(GROUPS))}; "
+                          f"groups: {', '.join(GROUPS)}")
+    manager.kernel_registry()          # availability includes whether kernels() works
+    devices = manager.devices()
+    if device_name not in devices:
+        manager.select_device(device_name)     # raises ConfigError naming the known devices
+    device = devices[device_name]
+    record = next(r for r in manager.device_records() if r.name == device_name)
+
+    def availability() -> str:
+        if not record.available:   # includes a kernels() that raised
+            raise CheckFailed(f"device is not available: {record.reason}")
+        return mem.check_availability(device)
+
+    checks = [Check("availability", "availability", availability)]
+    if not record.available:
+        return checks
+    checks += [
+        Check("memory_info", "memory", lambda: mem.check_memory_info(device)),
+        Check("allocator.accounting", "allocator", lambda: mem.check_allocator_accounting(device)),
+        Check("allocator.capacity", "allocator", lambda: mem.check_allocator_capacity(device)),
+        Check("allocator.upload", "allocator", lambda: mem.check_upload(device)),
+        Check("host_allocator", "host_allocator", lambda: mem.check_host_allocator(device)),
+        Check("stream.copy_event", "streams", lambda: streams.check_copy_event(device)),
+        Check("stream.record_event", "streams", lambda: streams.check_record_event(device)),
+        Check("stream.query", "streams", lambda: streams.check_query(device)),
+        Check("stream.synchronize", "streams", lambda: streams.check_synchronize(device)),
+        Check("stream.wait_on_compute", "streams", lambda: streams.check_wait_on_compute(device)),
+    ]
+    checks += _kernel_checks(manager, device)
+    checks.append(Check("end_to_end.stories260K", "end_to_end",
+                        lambda: check_stories_greedy(manager, device_name, model_dir)))
+    return [c for c in checks if c.group in chosen or c.group == "availability"]
+
+
+def run_checks(device_name: str, checks: Iterable[Check]) -> ConformanceReport:
+    return ConformanceReport(device_name, [c.result() for c in checks])
+
+
+def run_conformance(device_name: str, manager: PluginManager | None = None,
+                    model_dir: str | Path | None = None,
+                    groups: Iterable[str] | None = None) -> ConformanceReport:
+    """Plans and runs the suite of one device; `report.passed` is the verdict."""
+    return run_checks(device_name, plan_checks(device_name, manager, model_dir, groups))
