@@ -48,6 +48,12 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="profile cache and demo model; default "
                                   "$TESSELLM_CACHE_DIR or ~/.cache/tessellm")
     num_threads: int | None = Field(None, ge=1)
+    # Tensor parallelism (tessellm.parallel): the model split over this many ranks, one
+    # process (and device) each; rank 0 is the engine, the others are started by it (or by a
+    # launcher: torchrun). A collective that waits longer than distributed_timeout_s fails.
+    # num_threads is per rank (default: the cores divided among the local ranks).
+    tensor_parallel_size: int = Field(1, ge=1)
+    distributed_timeout_s: float = Field(120.0, gt=0)
     load_progress: bool = True
     # Scheduling (tessellm.scheduler): priorities 0 (most urgent) .. priority_levels - 1, aging
     # by one level per aging_interval_steps steps waited since arrival (0: off).

@@ -222,6 +222,23 @@ class SynchronousStream(TransferStream):
         return CompletedEvent()
 
 
+class Communicator(ABC):
+    """Collectives among the ranks of one tensor-parallel group. Every rank calls the same
+    collectives in the same order; a peer that is gone or late past the group's timeout makes
+    the call raise (never hang)."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of `x` over the ranks (may reuse `x`'s memory)."""
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `x` (same shape on all) concatenated along `dim` in rank order."""
+
+
 class DevicePlugin(ABC):
     """One kind of device. Subclasses set the class attributes and implement the methods.
 
@@ -304,6 +321,12 @@ class DevicePlugin(ABC):
         pass at the largest batch, weights already loaded), accounts its activation peak, and
         returns utilization x total memory minus everything in use. None (the default): the
         engine uses its fixed default budget."""
+        return None
+
+    def communicator(self, rank: int, world_size: int, timeout_s: float) -> Communicator | None:
+        """The collectives of a tensor-parallel group on this device, for a device whose
+        collectives do not go through torch.distributed. None (the default): the engine uses
+        torch.distributed with `distributed_backend` (gloo on cpu, nccl on cuda)."""
         return None
 
     def require_available(self) -> None:

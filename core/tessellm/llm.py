@@ -113,6 +113,17 @@ class LLM:
     def is_demo(self) -> bool:
         return self.engine.parts.is_demo
 
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel engine's worker ranks (they
+        also stop when this process exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
 

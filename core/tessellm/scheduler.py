@@ -229,6 +229,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return self._requests.has_unfinished
 
+    def unfinished_request_ids(self) -> list[str]:
+        """Every unfinished request, siblings not forked yet included."""
+        return self._requests.request_ids() + self._forks.held_ids()
+
     @property
     def running(self) -> tuple[Request, ...]:
         """Running requests in service order: (admitted level, arrival)."""

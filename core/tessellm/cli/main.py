@@ -35,12 +35,16 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
                         "it: cuda; default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run decode steps eagerly, without captured graphs (cuda)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model over this many ranks (processes, one device each); "
+                        "under torchrun, ranks > 0 become workers")
 
 
 def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
-            "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len")
+            "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
+            "tensor_parallel_size")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
@@ -67,6 +71,8 @@ def cmd_plugins(a: argparse.Namespace) -> int:
         print(f"{r['plugin']} {r['version']} [{r['status']}] {r['value']}")
         if r.get("error"):
             print(f"    error: {r['error']}")
+        for what in r.get("overrides", []):
+            print(f"    overrides built-in {what} (declared)")
         for d in r.get("devices", []):
             state = "available" if d["available"] else f"unavailable: {d['reason']}"
             print(f"    device {d['name']} (priority {d['priority']}): {state}")
@@ -233,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tessellm.parallel.group import launcher_environment
+    launched = launcher_environment()
+    if launched is not None and launched[0] != 0:
+        # torchrun started every rank with this command line: rank 0 runs it, with the
+        # engine's ranks > 0 (these) as its tensor-parallel workers
+        from tessellm.parallel.worker import main as worker_main
+        return worker_main()
     a = build_parser().parse_args(argv)
     # A server logs what it loaded (model, weight memory, kernels) as vLLM does; one-shot
     # commands stay quiet unless -v.

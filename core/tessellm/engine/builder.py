@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +25,16 @@ from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
 from tessellm.models.demo import DEMO_NOTICE
 from tessellm.models.hf_files import eos_token_ids
+from tessellm.models.architectures import resolve_architecture
+from tessellm.models.sharding import check_shardable, shard_model
 from tessellm.models.loader import (checkpoint_dtype, load_model, load_source_tokenizer,
                                     read_source_config)
 from tessellm.models.source import ModelSource, resolve_model_source
 from tessellm.models.spec import ModelSpec
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
+from tessellm.parallel.group import ParallelGroup
+from tessellm.parallel.launch import start_group
 from tessellm.plugins import PluginManager
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,9 @@ class EngineParts:
     source: ModelSource
     weights: dict[str, torch.Tensor | PackedWeight]  # on the device, by graph name
     host_kv_caches: list[torch.Tensor] = field(default_factory=list)  # swap mode's host pool
+    # tensor parallelism: this rank's place in the group (None: one rank); `spec` stays the
+    # whole model's, the plan, weights and KV caches are this rank's shard
+    parallel: ParallelGroup | None = None
 
     @property
     def is_demo(self) -> bool:
@@ -161,19 +169,58 @@ def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtyp
 
 
 def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = None,
-                       extra_passes: list[GraphPass] | None = None) -> EngineParts:
+                       extra_passes: list[GraphPass] | None = None,
+                       parallel: ParallelGroup | None = None) -> EngineParts:
+    """The parts of an engine, or of one rank of a tensor-parallel engine: with
+    tensor_parallel_size > 1 rank 0 (parallel None) starts the group here; a worker passes
+    the group it joined. Every rank runs the same steps in the same order (they meet in
+    collectives: the compute group, the KV block count, a measuring forward pass)."""
     plugins = plugins or PluginManager().load()
     device = plugins.select_device(config.device)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    registry = plugins.kernel_registry()
     source = model_source_of(config)
     hf_config = read_source_config(source)
+    world = config.tensor_parallel_size
+    if world > 1:
+        check_shardable(resolve_architecture(hf_config, plugins.architectures()).spec(hf_config),
+                        world)
+    if parallel is None and world > 1:
+        parallel = start_group(config)
+        try:
+            return _build(config, plugins, extra_passes, device, source, hf_config, parallel)
+        except BaseException:
+            parallel.shutdown()
+            raise
+    return _build(config, plugins, extra_passes, device, source, hf_config, parallel)
+
+
+def _threads(config: EngineConfig) -> int | None:
+    """Threads per rank: num_threads, else the cores shared among this machine's ranks."""
+    if config.num_threads:
+        return config.num_threads
+    if config.tensor_parallel_size == 1:
+        return None
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[GraphPass] | None,
+           device: DevicePlugin, source: ModelSource, hf_config: dict[str, Any],
+           parallel: ParallelGroup | None) -> EngineParts:
+    threads = _threads(config)
+    if threads:
+        torch.set_num_threads(threads)
+    registry = plugins.kernel_registry()
+    comm = parallel.connect_device(device) if parallel is not None else None
     dtype = config.torch_dtype(checkpoint_dtype(hf_config))
-    loaded = load_model(source, dtype, progress=config.load_progress,
+    leader = parallel is None or parallel.is_leader
+    loaded = load_model(source, dtype, progress=config.load_progress and leader,
                         keep_packed=keep_packed(config, source, device, registry),
                         extra_architectures=plugins.architectures(), config=hf_config)
-    spec = loaded.spec
+    spec = local_spec = loaded.spec
+    graph = loaded.graph
+    if parallel is not None:
+        graph, local_spec = shard_model(graph, spec, loaded.build_graph, parallel.rank,
+                                        parallel.world_size)
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's "
@@ -185,31 +232,34 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
                              lambda mg: quantize_linears(mg, fmt), ("linear_packed",))
         passes = passes[:-1] + [quantize] + passes[-1:] if passes else [quantize, DEAD_CODE]
     passes = passes[:-1] + list(plugins.graph_passes()) + (extra_passes or []) + passes[-1:]
-    graph, report = run_passes(loaded.graph, passes, lambda op: registry.has_op(device.name, op))
+    graph, report = run_passes(graph, passes, lambda op: registry.has_op(device.name, op))
     graph.weights.update({name: _upload(device, w) for name, w in graph.weights.items()})
     n_bytes = weight_bytes(graph.weights)
     log.info("weights: %.1f MiB on %s%s", n_bytes / 2**20, device.name,
              f" (packed: {', '.join(f'{k} x{v}' for k, v in sorted(loaded.packed_types.items()))})"
              if loaded.packed_types else "")
     selector = make_selector(config, registry, device)
-    plan = lower(graph, selector, dtype)
+    plan = lower(graph, selector, dtype, comm)
     measured = None
     if config.num_kv_blocks is None and config.kv_cache_bytes is None:
         measured = device.kv_cache_budget(
-            profile_forward(plan, spec, config, device, dtype, max_model_len),
+            profile_forward(plan, local_spec, config, device, dtype, max_model_len),
             config.gpu_memory_utilization)
-    num_blocks = kv_block_count(config, spec, dtype, max_model_len, measured)
+    # the KV budget is per rank; a rank's blocks hold its KV heads only
+    num_blocks = kv_block_count(config, local_spec, dtype, max_model_len, measured)
+    num_host = host_kv_block_count(config, local_spec, dtype, num_blocks)
+    if parallel is not None:   # the one block table every rank indexes
+        num_blocks = parallel.min_over_ranks(num_blocks)
+        num_host = parallel.min_over_ranks(num_host)
     alloc = device.allocator()
     # one more physical block than usable ones: block 0 is the KV manager's null block
-    kv_caches = [alloc.allocate((2, num_blocks + 1, spec.num_kv_heads, config.block_size,
-                                 spec.head_dim), dtype, tag="kv_cache")
+    kv_shape = (local_spec.num_kv_heads, config.block_size, local_spec.head_dim)
+    kv_caches = [alloc.allocate((2, num_blocks + 1, *kv_shape), dtype, tag="kv_cache")
                  for _ in range(spec.num_layers)]
-    num_host = host_kv_block_count(config, spec, dtype, num_blocks)
     host = device.host_allocator()   # same per-layer layout; no null block on the host
-    host_kv_caches = [host.allocate((2, num_host, spec.num_kv_heads, config.block_size,
-                                     spec.head_dim), dtype)
+    host_kv_caches = [host.allocate((2, num_host, *kv_shape), dtype)
                       for _ in range(spec.num_layers)] if num_host else []
-    tokenizer = load_source_tokenizer(source)
+    tokenizer = load_source_tokenizer(source) if leader else None   # workers never decode
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
-                       graph.weights, host_kv_caches)
+                       graph.weights, host_kv_caches, parallel)

@@ -132,6 +132,7 @@ class EngineCoreLoop:
                 self._drain(0 if busy else int(HEARTBEAT_S * 1000))
                 if self._stopping and not self.engine.has_unfinished():
                     return
+                self.engine.check_alive()   # a lost tensor-parallel rank ends the core
                 if self.engine.has_unfinished():
                     self._step()
                 deltas = self.tracker.deltas()
@@ -186,6 +187,7 @@ def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, paren
     except BaseException:
         sys.exit(1)
     finally:
+        engine.shutdown()
         inbox.close()
         outbox.close()
         ctx.term()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from tessellm.engine.builder import EngineParts
 from tessellm.engine.llm_engine import LLMEngine
 from tessellm.engine.sampler import SAMPLE_OP, sample_kernel_query
 from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
@@ -31,31 +32,42 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets
 
 
-def _select_sample_kernel(engine: LLMEngine, bucket: int) -> dict[str, str]:
+def _select_sample_kernel(parts: EngineParts, bucket: int) -> dict[str, str]:
     """The random-sampling kernel for `bucket` rows (rows are sampled sequences, so buckets
     up to max_num_seqs), where the device has one; else the sampler runs the reference."""
-    selector = engine.parts.selector
+    selector = parts.selector
     if not selector.registry.has_op(selector.device_name, SAMPLE_OP):
         return {}
-    query = sample_kernel_query(bucket, engine.parts.spec.vocab_size)
+    query = sample_kernel_query(bucket, parts.spec.vocab_size)
     return {query.bucket_key: selector.select(query).name}
 
 
-def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
-    """Choose every kernel for every reachable bucket; returns {bucket key: kernel name}."""
-    c = engine.parts.config
+def choose_kernels(parts: EngineParts, sample_kernels: bool = True,
+                   progress: bool = True) -> dict[str, str]:
+    """Choose every kernel of the plan (and of the sampler) for every reachable bucket, then
+    let weights take their kernels' layout; returns {bucket key: kernel name}. Every rank of
+    a tensor-parallel engine does this for its own shard (a worker samples nothing)."""
+    c = parts.config
     buckets = token_buckets(max(c.max_num_batched_tokens, c.max_num_seqs))
     choices: dict[str, str] = {}
     for i, b in enumerate(buckets):
         if progress:
             print(f"tessellm: profiling kernels, token bucket {b} ({i + 1}/{len(buckets)})",
                   file=sys.stderr, flush=True)
-        choices.update(select_all_kernels(engine.parts.plan, b, c.max_num_seqs))
-        if b <= token_bucket(c.max_num_seqs):
-            choices.update(_select_sample_kernel(engine, b))
-    adopted = adopt_weight_layouts(engine.parts.plan, engine.parts.weights)
+        choices.update(select_all_kernels(parts.plan, b, c.max_num_seqs))
+        if sample_kernels and b <= token_bucket(c.max_num_seqs):
+            choices.update(_select_sample_kernel(parts, b))
+    adopted = adopt_weight_layouts(parts.plan, parts.weights)
     if adopted:
         log.info("%d weight(s) converted to their kernels' layout", adopted)
+    return choices
+
+
+def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
+    """Choose every kernel for every reachable bucket, then (every rank ready) compile the
+    device's padded step shapes; returns {bucket key: kernel name}."""
+    choices = choose_kernels(engine.parts, progress=progress)
+    engine.wait_for_ranks()
     runner = engine.runner
     if runner.graph_sizes or runner.static_shapes is not None:
         if progress:

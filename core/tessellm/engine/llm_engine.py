@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -17,6 +18,7 @@ from tessellm.engine.sampler import SAMPLE_OP, SelectSampleKernel, sample_kernel
 from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.kernels.profiler import KernelSelector, token_bucket
+from tessellm.parallel.group import ParallelGroupError
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SLAConfig
@@ -56,7 +58,28 @@ def sample_kernel_select(selector: KernelSelector) -> SelectSampleKernel | None:
     return select
 
 
+def make_model_runner(parts: EngineParts) -> ModelRunner:
+    """The runner of an engine's parts (on every rank of a tensor-parallel group; rank 0's
+    sends its device work to the others)."""
+    c = parts.config
+    leads = parts.parallel is not None and parts.parallel.is_leader
+    return ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
+                       c.max_num_batched_tokens, c.max_num_seqs,
+                       math.ceil(parts.max_model_len / c.block_size),
+                       parts.host_kv_caches,
+                       graph_sizes=() if c.enforce_eager
+                       else parts.device.decode_graph_sizes(c.max_num_seqs),
+                       select_sample_kernel=sample_kernel_select(parts.selector),
+                       static_shapes=parts.device.static_shapes(
+                           c.max_num_batched_tokens, c.max_num_seqs),
+                       followers=parts.parallel.channel if leads else None)
+
+
 class LLMEngine:
+    """With tensor parallelism, a failing step or a lost rank is fatal (the ranks may be out
+    of step): every unfinished request fails, the engine is dead (`dead` says why) and every
+    later step raises ParallelGroupError."""
+
     def __init__(self, parts: EngineParts) -> None:
         c = parts.config
         self.parts = parts
@@ -72,19 +95,42 @@ class LLMEngine:
             aging_interval_steps=c.aging_interval_steps, sla=sla,
             preemption_mode=c.preemption_mode, num_host_blocks=parts.num_host_kv_blocks),
             self.kv)
-        self.runner = ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
-                                  c.max_num_batched_tokens, c.max_num_seqs,
-                                  math.ceil(self.max_model_len / c.block_size),
-                                  parts.host_kv_caches,
-                                  graph_sizes=() if c.enforce_eager
-                                  else parts.device.decode_graph_sizes(c.max_num_seqs),
-                                  select_sample_kernel=sample_kernel_select(parts.selector),
-                                  static_shapes=parts.device.static_shapes(
-                                      c.max_num_batched_tokens, c.max_num_seqs))
+        self.runner = make_model_runner(parts)
         self.stats = StepStats()
         self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
                                     c.block_size, self.kv.num_blocks)
         self._ids = itertools.count()
+        self.dead: str | None = None
+        if parts.parallel is not None:   # the workers stop with this engine, or at exit
+            weakref.finalize(self, parts.parallel.shutdown)
+
+    def check_alive(self) -> None:
+        """Raise ParallelGroupError if the engine is dead or a rank of its group is gone."""
+        if self.dead is not None:
+            raise ParallelGroupError(self.dead)
+        group = self.parts.parallel
+        if group is not None:
+            try:
+                group.check_alive()
+            except ParallelGroupError as e:
+                self._die(str(e))
+                raise
+
+    def wait_for_ranks(self) -> None:
+        """Tensor parallelism: until every rank is ready for the first step (once)."""
+        if self.parts.parallel is not None:
+            self.parts.parallel.wait_ready()
+
+    def _die(self, reason: str) -> list[Request]:
+        self.dead = reason
+        return self.scheduler.finish_requests(self.scheduler.unfinished_request_ids(),
+                                              FinishReason.ERROR)
+
+    def shutdown(self) -> None:
+        """Stop the group's other ranks (tensor parallelism); the engine cannot step after."""
+        if self.parts.parallel is not None:
+            self.dead = self.dead or "the engine was shut down"
+            self.parts.parallel.shutdown()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0) -> None:
@@ -143,6 +189,9 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """One engine step; returns requests that finished in it."""
+        if self.parts.parallel is not None:
+            self.check_alive()
+            self.wait_for_ranks()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.stage_times.add("schedule", time.perf_counter() - t0)
@@ -150,11 +199,17 @@ class LLMEngine:
         self.stats.num_swapped_in_blocks += len(out.swap_in)
         if not out.scheduled:
             if out.has_block_ops:   # a step that only preempted: its swap-outs still run
-                self.runner.apply_block_ops(out, self.kv)
+                self._block_ops_only(out)
             return []
         try:
             sampled, token_ids, logprobs = self.runner.execute(out, self.kv)
         except Exception as exc:
+            if self.parts.parallel is not None:   # the ranks may be out of step: fatal
+                reason = (f"tensor-parallel engine stopped: a step failed on rank 0 "
+                          f"({type(exc).__name__}: {exc})")
+                failed = self._die(reason)
+                raise ParallelGroupError(f"{reason}; {len(failed)} unfinished request(s) "
+                                         "failed") from exc
             # Only this step's requests fail; their blocks are freed and the engine goes on.
             failed = self.scheduler.finish_requests(
                 [s.request.request_id for s in out.scheduled], FinishReason.ERROR)
@@ -171,6 +226,16 @@ class LLMEngine:
         self.stage_times.add("update", t2 - t1)
         self.scheduler.observe_step(t2 - t0, out.num_decodes)
         return finished
+
+    def _block_ops_only(self, out) -> None:
+        try:
+            self.runner.apply_block_ops(out, self.kv)
+        except Exception as exc:
+            if self.parts.parallel is None:
+                raise
+            reason = f"tensor-parallel engine stopped: {type(exc).__name__}: {exc}"
+            self._die(reason)
+            raise ParallelGroupError(reason) from exc
 
     @property
     def stage_times(self) -> StageTimes:

@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -45,6 +46,8 @@ from tessellm.engine.stage_times import StageTimes
 from tessellm.engine.sampler import SampleRequest, Sampler, SelectSampleKernel, TokenLogprobs
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.parallel.group import ControlChannel
+from tessellm.parallel.messages import Batch, BlockOps
 from tessellm.request import Request
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import SchedulerOutput
@@ -154,8 +157,10 @@ class ModelRunner:
                  host_kv_caches: list[torch.Tensor] | None = None,
                  graph_sizes: Sequence[int] = (),
                  select_sample_kernel: SelectSampleKernel | None = None,
-                 static_shapes: StaticShapes | None = None) -> None:
+                 static_shapes: StaticShapes | None = None,
+                 followers: ControlChannel | None = None) -> None:
         self.device = device
+        self.followers = followers   # tensor parallelism: the leader's channel to the others
         self.plan = plan
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -198,15 +203,23 @@ class ModelRunner:
         event.wait()
 
     def apply_block_ops(self, out: SchedulerOutput, kv: KVCacheManager) -> Event | None:
-        """The step's block work before inputs are built: swap-outs, zeroing of fresh blocks
-        (after the swap-outs reading them), copy-on-write, swap-ins. Returns the swap-in
-        event compute must be ordered after (None when none)."""
-        self.swapper.swap_out(out.swap_out)
-        fresh = kv.take_fresh_blocks()
-        self.swapper.before_reuse(fresh)
-        self._zero_blocks(fresh)
-        self.swapper.copy_blocks(out.block_copies)
-        return self.swapper.swap_in(out.swap_in)
+        """The step's block work before inputs are built (on every rank): swap-outs, zeroing
+        of fresh blocks (after the swap-outs reading them), copy-on-write, swap-ins. Returns
+        the swap-in event compute must be ordered after (None when none)."""
+        return self._lead_block_ops(BlockOps(list(out.swap_out), kv.take_fresh_blocks(),
+                                             list(out.block_copies), list(out.swap_in)))
+
+    def _lead_block_ops(self, ops: BlockOps) -> Event | None:
+        if self.followers is not None and not ops.empty:
+            self.followers.send(ops)
+        return self.run_block_ops(ops)
+
+    def run_block_ops(self, ops: BlockOps) -> Event | None:
+        self.swapper.swap_out(ops.swap_out)
+        self.swapper.before_reuse(ops.fresh)
+        self._zero_blocks(ops.fresh)
+        self.swapper.copy_blocks(ops.copies)
+        return self.swapper.swap_in(ops.swap_in)
 
     def _upload(self, values: dict[str, list | tuple[int, int]]
                 ) -> tuple[dict[str, torch.Tensor], Event]:
@@ -238,13 +251,17 @@ class ModelRunner:
             if seqs is None or tokens is None:
                 raise ValueError(f"a step of {len(s.token_ids)} tokens and {n} sequences is "
                                  f"beyond the device's static shapes {shapes}")
-            return StepPadding(tokens, seqs, False,
-                               StaticStepShape(tokens, seqs, self.table_rows.width))
+            return self._step_padding(tokens, seqs, False)
         if not self.graph_sizes or s.num_decodes != n or n > self.graph_sizes[-1] \
                 or len(s.logits_indices) != n:   # forks sample one row twice: eager
             return None
         size = bucket_at_least(self.graph_sizes, n)
-        return StepPadding(size, size, True, DecodeGraphShape(size, self.table_rows.width))
+        return self._step_padding(size, size, True)
+
+    def _step_padding(self, num_tokens: int, num_seqs: int, decode: bool) -> StepPadding:
+        W = self.table_rows.width
+        key = DecodeGraphShape(num_seqs, W) if decode else StaticStepShape(num_tokens, num_seqs, W)
+        return StepPadding(num_tokens, num_seqs, decode, key)
 
     def _plan_for(self, pad: StepPadding | None):
         if pad is None:
@@ -257,9 +274,17 @@ class ModelRunner:
 
     def _forward(self, s: StepInputs, request_ids: list[str], pad: StepPadding | None,
                  swapped_in: Event | None) -> tuple[torch.Tensor, Event]:
-        """Stage and upload the step's inputs (padded as `pad` says), run the plan or its
-        compiled form; returns the logits (enqueued; padded rows included) and the upload
-        event."""
+        """Stage the step's inputs (padded as `pad` says), send them to the tensor-parallel
+        followers, run the plan; returns the logits (enqueued) and the upload event."""
+        batch = self._stage(s, request_ids, pad)
+        if self.followers is not None:
+            tables = self.host_bufs["block_tables"].numpy()[:batch.rows, :batch.width]
+            self.followers.send(msgspec.structs.replace(batch, tables=tables.tobytes()))
+        return self.run_batch(batch, swapped_in)
+
+    def _stage(self, s: StepInputs, request_ids: list[str], pad: StepPadding | None) -> Batch:
+        """The host side of a forward pass: padded rows, and the block table filled into its
+        host buffer."""
         n = len(s.query_lens)
         tables_np = self.host_bufs["block_tables"].numpy()
         ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
@@ -283,26 +308,36 @@ class ModelRunner:
                 seq_lens, query_lens = seq_lens + [0] * extra_seqs, query_lens + [0] * extra_seqs
                 num_decodes = 0
             logits_idx = s.logits_indices + [0] * (pad.num_seqs - len(s.logits_indices))
+        return Batch(ids, pos, slots, seq_lens, query_lens, logits_idx, num_decodes, rows,
+                     width, None if pad is None else (pad.num_tokens, pad.num_seqs, pad.decode))
+
+    def run_batch(self, b: Batch, swapped_in: Event | None) -> tuple[torch.Tensor, Event]:
+        """The device side of a forward pass (every rank runs it): upload, then the plan or
+        its compiled form. `b.tables`, when given, is the block table (a follower's)."""
+        if b.tables:
+            table = np.frombuffer(b.tables, dtype=np.int32).reshape(b.rows, b.width)
+            self.host_bufs["block_tables"].numpy()[:b.rows, :b.width] = table
         qsl = [0]
-        for q in query_lens:
+        for q in b.query_lens:
             qsl.append(qsl[-1] + q)
         dev, uploaded = self._upload({
-            "input_ids": ids, "positions": pos, "slot_mapping": slots,
-            "block_tables": (rows, width), "seq_lens": seq_lens, "query_start_loc": qsl,
-            "logits_indices": logits_idx})
+            "input_ids": b.token_ids, "positions": b.positions, "slot_mapping": b.slot_mapping,
+            "block_tables": (b.rows, b.width), "seq_lens": b.seq_lens, "query_start_loc": qsl,
+            "logits_indices": b.logits_indices})
         meta = AttentionMetadata(
-            num_decodes=num_decodes, num_prefills=len(query_lens) - num_decodes,
-            num_decode_tokens=num_decodes, num_prefill_tokens=len(ids) - num_decodes,
+            num_decodes=b.num_decodes, num_prefills=len(b.query_lens) - b.num_decodes,
+            num_decode_tokens=b.num_decodes, num_prefill_tokens=len(b.token_ids) - b.num_decodes,
             block_size=self.block_size, slot_mapping=dev["slot_mapping"],
             block_tables=dev["block_tables"], seq_lens=dev["seq_lens"],
-            query_start_loc=dev["query_start_loc"], seq_lens_host=seq_lens,
-            query_lens_host=query_lens, max_seq_len=max(seq_lens),
-            max_query_len=max(query_lens))
+            query_start_loc=dev["query_start_loc"], seq_lens_host=b.seq_lens,
+            query_lens_host=b.query_lens, max_seq_len=max(b.seq_lens),
+            max_query_len=max(b.query_lens))
         feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
                  "logits_indices": dev["logits_indices"]}
         feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
         if swapped_in is not None:
             self.swapper.wait_for_compute(swapped_in)
+        pad = None if b.pad is None else self._step_padding(*b.pad)
         logits = self._plan_for(pad).run(feeds)   # asynchronous device: enqueued only
         return logits, uploaded
 
@@ -319,11 +354,9 @@ class ModelRunner:
         return host.tolist()[:len(sampled)], result.logprobs[:len(sampled)]
 
     def _padding_shapes(self) -> list[StepPadding]:
-        W = self.table_rows.width
         if self.static_shapes is not None:
-            return [StepPadding(t, b, False, StaticStepShape(t, b, W))
-                    for t, b in self.static_shapes.shapes()]
-        return [StepPadding(g, g, True, DecodeGraphShape(g, W)) for g in reversed(self.graph_sizes)]
+            return [self._step_padding(t, b, False) for t, b in self.static_shapes.shapes()]
+        return [self._step_padding(g, g, True) for g in reversed(self.graph_sizes)]
 
     def precompile(self) -> int:
         """Run every padded shape the device declares (decode graphs, largest first, or static
@@ -341,7 +374,7 @@ class ModelRunner:
                 + self.static_shapes.seq_buckets[-1] + 1
             count = 1
             while count < 2 * most:
-                self._zero_blocks([KVCacheManager.NULL_BLOCK] * count)
+                self._lead_block_ops(BlockOps([], [KVCacheManager.NULL_BLOCK] * count, [], []))
                 count *= 2
         return len(shapes)
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tessellm.device import Communicator
 from tessellm.errors import KernelError
 from tessellm.graph import ops
 from tessellm.graph.ir import ModelGraph
@@ -214,20 +215,43 @@ def select_all_kernels(plan: ExecutionPlan, num_tokens: int, max_seqs: int) -> d
     return choices
 
 
-def _bind(node: fx.Node, dtype: torch.dtype, selector: KernelSelector):
+class CollectiveSite:
+    """A collective of the tensor-parallel group (all_reduce, or all_gather over the last
+    dim), through the engine's Communicator."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, target, comm: Communicator) -> None:
+        if target is ops.all_reduce:
+            self._call = comm.all_reduce
+        else:
+            self._call = lambda x: comm.all_gather(x, -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(x)
+
+
+def _bind(node: fx.Node, dtype: torch.dtype, selector: KernelSelector,
+          comm: Communicator | None):
+    if node.target in ops.COLLECTIVE_OPS:
+        if comm is None:
+            raise KernelError(f"{node.format_node()}: a sharded graph needs the tensor-parallel "
+                              "group's communicator")
+        return CollectiveSite(node.target, comm)
     name = ops.op_name(node.target)
     if name == "attention":
         return AttentionSite(dtype, node.meta["dims"], selector)
     if name is not None:
         return KernelSite(name, dtype, node.meta["dims"], selector,
                           per_sequence=node.meta.get("role") == "lm_head")
-    if node.target in (operator.getitem, ops.split_last, ops.per_head, ops.merge_heads,
-                       ops.select_rows):
+    if node.target is operator.getitem or node.target in ops.STRUCTURAL_OPS:
         return node.target
     raise KernelError(f"cannot lower node {node.format_node()}: unknown target")
 
 
-def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype) -> ExecutionPlan:
+def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype,
+          comm: Communicator | None = None) -> ExecutionPlan:
+    """`comm`: the tensor-parallel group's collectives (required by a sharded graph)."""
     slot_of: dict[fx.Node, int] = {}
     inputs: dict[str, int] = {}
     constants: dict[int, Any] = {}
@@ -243,7 +267,7 @@ def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype) -> Execu
         elif node.op == "get_attr":
             constants[slot_of[node]] = mg.weights[node.target]
         elif node.op == "call_function":
-            pending.append((node, _bind(node, dtype, selector)))
+            pending.append((node, _bind(node, dtype, selector, comm)))
         else:
             raise KernelError(f"cannot lower node kind {node.op!r}")
     last_use: dict[int, int] = {}

@@ -92,6 +92,39 @@ def select_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index)
 
 
+# Tensor parallelism (tessellm.models.sharding). Collectives: lowering binds them to the
+# engine's Communicator; called directly they are those of a one-rank group (identity).
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+# Vocab-parallel embedding: a rank holds rows [start, start + size) of the table.
+def local_vocab_ids(ids: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Ids as rows of this rank's shard; ids it does not hold map to row 0 (masked after)."""
+    local = ids - start
+    return torch.where((local >= 0) & (local < size), local, torch.zeros_like(local))
+
+
+def mask_foreign_rows(x: torch.Tensor, ids: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Zero the embedding rows of ids this rank does not hold (another rank adds them)."""
+    held = (ids >= start) & (ids < start + size)
+    return torch.where(held.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def narrow_last(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The first `size` columns (a gathered vocabulary without its padding rows)."""
+    return x[..., :size]
+
+
+COLLECTIVE_OPS = (all_reduce, all_gather_last)
+STRUCTURAL_OPS = (split_last, per_head, merge_heads, select_rows, local_vocab_ids,
+                  mask_foreign_rows, narrow_last)
+
+
 DEVICE_OPS: dict[Callable, str] = {
     fn: fn.__name__ for fn in (
         embedding, linear, embedding_packed, linear_packed, rms_norm, fused_add_rms_norm, layer_norm, add, mul, silu,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +24,7 @@ class LoadedModel:
     config: dict[str, Any]
     spec: ModelSpec
     graph: ModelGraph
+    build_graph: Callable[[ModelSpec, dict[str, Any]], ModelGraph]   # the architecture's
     packed_types: Counter = field(default_factory=Counter)       # kept packed, by type
     dequantized_types: Counter = field(default_factory=Counter)  # expanded at load, by type
 
@@ -54,7 +55,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True
     spec = arch.spec(config)
     if source.kind != "gguf":
         weights = arch.adapt_weights(load_safetensors(source.path, dtype, progress=progress), spec)
-        return LoadedModel(config, spec, arch.build_graph(spec, weights))
+        return LoadedModel(config, spec, arch.build_graph(spec, weights), arch.build_graph)
     gg = load_gguf(source.path, dtype, keep_packed=keep_packed)
     if gg.dequantized_types:
         log.info("GGUF %s: dequantized to %s at load: %s", source.path.name,
@@ -62,7 +63,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True
     if gg.packed_types:
         log.info("GGUF %s: kept packed: %s", source.path.name, _counts(gg.packed_types))
     weights = arch.adapt_gguf_weights(gg.weights, spec)
-    return LoadedModel(config, spec, arch.build_graph(spec, weights), gg.packed_types,
+    return LoadedModel(config, spec, arch.build_graph(spec, weights), arch.build_graph,
+                       gg.packed_types,
                        gg.dequantized_types)
 
 

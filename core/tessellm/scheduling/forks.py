@@ -91,6 +91,11 @@ class ForkGroups:
                         return child
         return None
 
+    def held_ids(self) -> list[str]:
+        """Ids of every sibling held here (pending or in flight)."""
+        return [c.request_id for groups in (self._pending, self._in_flight)
+                for children in groups.values() for c in children]
+
     @property
     def num_pending(self) -> int:
         return sum(map(len, self._pending.values()))

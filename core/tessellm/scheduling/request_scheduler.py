@@ -202,6 +202,10 @@ class RequestScheduler:
     def get(self, request_id: str) -> Ticket | None:
         return self._tickets.get(request_id)
 
+    def request_ids(self) -> list[str]:
+        """Every unfinished request's id (waiting or running)."""
+        return list(self._tickets)
+
     def forget(self, request_id: str) -> None:
         del self._tickets[request_id]
 

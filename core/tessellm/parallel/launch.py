@@ -1,0 +1,107 @@
+"""Starting an engine's tensor-parallel group from rank 0 (the engine's own process).
+
+Under a launcher (torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, one process per
+rank, possibly on several machines) rank 0 joins the ranks the launcher started; ranks > 0 run
+`python -m tessellm.parallel.worker` (the `tessellm` CLI turns itself into one). Otherwise
+rank 0 starts the other ranks itself as local processes (`LocalWorkers`) over a TCP store on
+loopback, and watches them: a worker that exits is seen by `check` before the next step, and
+a worker whose leader is gone exits by itself. Rank 0 then sends every worker the engine
+config (`WorkerInit`).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tessellm.config import EngineConfig
+from tessellm.errors import ConfigError
+from tessellm.parallel.group import ParallelGroup, ParallelGroupError, join, launcher_environment
+from tessellm.parallel.messages import WorkerInit
+
+LEADER_PID_ENV = "TESSELLM_TP_LEADER_PID"
+JOINED_KEY = "tessellm/joined/{rank}"
+
+
+class LocalWorkers:
+    """Worker ranks 1 .. world-1 as child processes of rank 0."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+
+    @classmethod
+    def spawn(cls, world_size: int, port: int, timeout_s: float) -> LocalWorkers:
+        procs = []
+        for rank in range(1, world_size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   LEADER_PID_ENV: str(os.getpid()),
+                   "TESSELLM_DISTRIBUTED_TIMEOUT_S": str(timeout_s)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "tessellm.parallel.worker"],
+                                          env=env))
+        return cls(procs)
+
+    def check(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                raise ParallelGroupError(f"tensor-parallel rank {rank} (pid {p.pid}) exited "
+                                         f"with code {code}")
+
+    def wait_joined(self, store: dist.Store, timeout_s: float) -> None:
+        """Until every worker has reached the store; a worker that dies first is an error
+        at once, not after the timeout."""
+        deadline = time.monotonic() + timeout_s
+        for rank in range(1, len(self.procs) + 1):
+            while not store.check([JOINED_KEY.format(rank=rank)]):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise ParallelGroupError(f"tensor-parallel rank {rank} did not start "
+                                             f"within {timeout_s:.0f} s")
+                time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for p in self.procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start_group(config: EngineConfig) -> ParallelGroup:
+    """Rank 0's side: the group joined, the workers started (unless a launcher did) and told
+    the config."""
+    world, timeout_s = config.tensor_parallel_size, config.distributed_timeout_s
+    if dist.is_initialized():
+        raise ConfigError("a tensor-parallel engine is already running in this process; "
+                          "close it first (LLM.close())")
+    launched = launcher_environment()
+    if launched is not None:
+        rank, launched_world = launched
+        if launched_world != world:
+            raise ConfigError(f"tensor_parallel_size={world} but the launcher started "
+                              f"{launched_world} ranks (WORLD_SIZE)")
+        if rank != 0:
+            raise ConfigError(f"launcher rank {rank} is a worker: run "
+                              "`python -m tessellm.parallel.worker` there (the tessellm CLI "
+                              "does so by itself)")
+        group = join(0, world, timeout_s)
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        workers = LocalWorkers.spawn(world, store.port, timeout_s)
+        try:
+            workers.wait_joined(store, timeout_s)
+            group = join(0, world, timeout_s, store=store)
+        except BaseException:
+            for p in workers.procs:
+                p.kill()
+            raise
+        group.workers = workers
+    group.channel.send(WorkerInit(config.model_dump_json()))
+    return group

@@ -1,0 +1,92 @@
+"""A worker rank (> 0) of a tensor-parallel engine: `python -m tessellm.parallel.worker`.
+
+It joins the group (rank 0's store when rank 0 started it, else the launcher's env://),
+takes the engine config from rank 0, builds its shard of the model and its KV pool, chooses
+its kernels, and then replays rank 0's device work in order until `Stop`: block operations
+and forward passes (the collectives inside them keep the ranks in step). It never schedules
+or samples. It exits when rank 0 is gone: the control channel's connection closes, and a
+worker rank 0 started also watches that its parent is alive.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tessellm.config import EngineConfig
+from tessellm.parallel.group import ParallelGroup, join
+from tessellm.parallel.launch import JOINED_KEY, LEADER_PID_ENV
+from tessellm.parallel.messages import Batch, BlockOps, Stop, WorkerInit
+
+log = logging.getLogger(__name__)
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def _exit_with_leader(leader_pid: int) -> None:
+    """A daemon thread: exit this process once its parent (the leader) is gone."""
+    def watch() -> None:
+        while os.getppid() == leader_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="tessellm-leader-watch", daemon=True).start()
+
+
+def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
+    """Build this rank's engine parts, then run rank 0's device work until Stop."""
+    from tessellm.engine.builder import build_engine_parts
+    from tessellm.engine.kernel_warmup import choose_kernels
+    from tessellm.engine.llm_engine import make_model_runner
+
+    parts = build_engine_parts(config, parallel=group)
+    runner = make_model_runner(parts)
+    if config.kernel_selection != "first":
+        choose_kernels(parts, sample_kernels=False, progress=False)
+    group.wait_ready()
+    swapped_in = None
+    while True:
+        message = group.channel.recv()
+        if isinstance(message, Stop):
+            return
+        if isinstance(message, BlockOps):
+            swapped_in = runner.run_block_ops(message)
+        elif isinstance(message, Batch):
+            _, uploaded = runner.run_batch(message, swapped_in)
+            swapped_in = None
+            runner.wait(uploaded)   # its staging buffers are rewritten by the next batch
+        else:
+            raise RuntimeError(f"unexpected control message {type(message).__name__}")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[rank "
+                        f"{os.environ.get('RANK', '?')}]: %(message)s")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout_s = float(os.environ.get("TESSELLM_DISTRIBUTED_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    store = None
+    if LEADER_PID_ENV in os.environ:   # started by rank 0 (LocalWorkers)
+        _exit_with_leader(int(os.environ[LEADER_PID_ENV]))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.set(JOINED_KEY.format(rank=rank), "1")
+    group = join(rank, world, timeout_s, store=store)
+    try:
+        init = group.channel.recv()
+        if not isinstance(init, WorkerInit):
+            raise RuntimeError(f"expected the engine config first, got {type(init).__name__}")
+        serve_steps(EngineConfig.model_validate_json(init.config_json), group)
+    except KeyboardInterrupt:
+        return 1
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)   # leave at once: the other ranks see this rank's connections close
+    group.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
