@@ -1,7 +1,10 @@
 """The public plugin API: the one module a plugin package imports (versioned by API_VERSION).
 
-It re-exports the device contract, kernel registration types, the reference ops and the hook
-marker. Plugins must not import engine or scheduler internals.
+It re-exports what every hook needs: the device contract (tessellm_devices), kernel
+registration types, the reference and portable ops (tessellm_kernels), the architecture
+record, model spec readers, graph builders and weight adapters (tessellm_architectures), the
+graph IR, its op targets and the pass type (tessellm_graph_passes), and the hook marker.
+Plugins must not import engine or scheduler internals.
 """
 from tessellm.device import (
     AllocatorStats,
@@ -32,4 +35,26 @@ __all__ = [
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
     "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream",
     "WeightLayout", "cache_root", "dequantize", "host_memory_info", "hookimpl", "quantize", "portable", "reference",
+]
+
+# -- architectures and graph passes (API 1.3) ---------------------------------------------------
+from tessellm.graph import ops as graph_ops  # noqa: E402  (op targets: graph_ops.linear, ...)
+from tessellm.graph.ir import (  # noqa: E402
+    GraphBuilder,
+    ModelGraph,
+    StepPlaceholders,
+    linear_call,
+    linear_dims,
+)
+from tessellm.graph.passes import GraphPass  # noqa: E402
+from tessellm.models.architectures import Architecture, builtin_architecture_names  # noqa: E402
+from tessellm.models.gpt2 import adapt_gpt2_weights, build_gpt2_graph  # noqa: E402
+from tessellm.models.llama import adapt_llama_weights, build_llama_graph  # noqa: E402
+from tessellm.models.spec import ModelSpec, gpt2_spec, llama_family_spec  # noqa: E402
+
+__all__ += [
+    "Architecture", "GraphBuilder", "GraphPass", "ModelGraph", "ModelSpec", "StepPlaceholders",
+    "adapt_gpt2_weights", "adapt_llama_weights", "build_gpt2_graph", "build_llama_graph",
+    "builtin_architecture_names", "gpt2_spec", "graph_ops", "linear_call", "linear_dims",
+    "llama_family_spec",
 ]

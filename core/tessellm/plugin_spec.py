@@ -3,6 +3,12 @@
 A plugin is a module found through the entry-point group `tessellm.plugins`. It must declare
 `TESSELLM_API_VERSION = "<major>.<minor>"`; a different major version than API_VERSION is
 refused. Every hook is optional; each returns a list (or dict) that the manager merges.
+
+Names are never taken over silently: a kernel whose (device, op, name) is already registered,
+an architecture name tessellm builds itself (or another plugin registered first) and a graph
+pass named like a built-in or earlier pass are refused and reported on the plugin's record
+(`tessellm plugins`). A plugin may replace built-in architectures only by naming them in
+`TESSELLM_OVERRIDE_ARCHITECTURES` (a tuple of HF architecture names); the record lists them.
 """
 from __future__ import annotations
 
@@ -23,7 +29,11 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # write_kv_cache kernels skip, static-shape steps (DevicePlugin.static_shapes, compile with a
 # StaticStepShape), DevicePlugin.runtime_counters and kernels_not_offered, the portable
 # kernels (plugin_api.portable), the sample_tokens op.
-API_VERSION = "1.2"
+# 1.3 (additive): everything the architecture and graph-pass hooks need is in plugin_api
+# (Architecture, ModelSpec and its readers, the Llama / GPT-2 builders and weight adapters,
+# ModelGraph, GraphBuilder, graph_ops, GraphPass, linear_call, linear_dims);
+# TESSELLM_OVERRIDE_ARCHITECTURES; name clashes are refused instead of first-wins only.
+API_VERSION = "1.3"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -40,8 +50,9 @@ class TessellmHookSpecs:
 
     @hookspec
     def tessellm_architectures(self) -> dict[str, Any]:
-        """HF architecture name (config.json "architectures") -> graph builder."""
+        """HF architecture name (config.json "architectures") -> plugin_api.Architecture."""
 
     @hookspec
     def tessellm_graph_passes(self) -> list[Any]:
-        """Extra graph passes (GraphPass objects), run after the built-in ones."""
+        """Extra graph passes (plugin_api.GraphPass), run after the built-in fusions and
+        before dead-code removal, each only where the device has the ops it `requires`."""

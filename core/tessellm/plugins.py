@@ -17,6 +17,14 @@ read after `kernels()`) has them recorded on its DeviceRecord and shown by `tess
 
 Ordering: plugins are handled in entry-point order; a device's own kernels are registered before
 kernels other plugins add through `tessellm_kernels` (KernelRegistry keeps that order).
+
+Names are never taken over silently; each refusal is an error on the later plugin's record:
+  kernels       -- a (device, op, name) already registered (by the device or an earlier plugin);
+  architectures -- a built-in architecture name, unless the plugin lists it in
+                   `TESSELLM_OVERRIDE_ARCHITECTURES` (then the record's `overrides` names it),
+                   or a name an earlier plugin provides; values must be `Architecture`s;
+  graph passes  -- a built-in pass name or one an earlier plugin provides; values must be
+                   `GraphPass`es.
 """
 from __future__ import annotations
 
@@ -28,10 +36,20 @@ import pluggy
 
 from tessellm.device import DevicePlugin
 from tessellm.errors import ConfigError, DeviceUnavailableError, KernelError
+from tessellm.graph.passes import GraphPass, default_passes
 from tessellm.kernels.registry import Kernel, KernelRegistry
+from tessellm.models.architectures import Architecture, builtin_architecture_names
+from tessellm.quant.formats import PACKED_FORMATS
 from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP, PROJECT, TessellmHookSpecs
 
 PluginStatus = Literal["loaded", "error", "refused"]
+OVERRIDES_ATTR = "TESSELLM_OVERRIDE_ARCHITECTURES"
+
+
+def builtin_pass_names() -> frozenset[str]:
+    """Names of the passes tessellm itself may run (fusions, quantize_<format>, dead code)."""
+    return frozenset({p.name for p in default_passes()}
+                     | {f"quantize_{f.name.lower()}" for f in PACKED_FORMATS.values()})
 
 
 @dataclass(slots=True)
@@ -55,6 +73,8 @@ class PluginRecord:
     status: PluginStatus
     error: str | None = None
     devices: list[DeviceRecord] = field(default_factory=list)
+    # built-in names it replaces by its own declaration (TESSELLM_OVERRIDE_ARCHITECTURES)
+    overrides: list[str] = field(default_factory=list)
 
     def add_error(self, message: str) -> None:
         self.error = message if self.error is None else f"{self.error}; {message}"
@@ -100,6 +120,7 @@ class PluginManager:
         self._devices: dict[str, tuple[DevicePlugin, DeviceRecord]] = {}
         self._loaded = False
         self._registry: KernelRegistry | None = None
+        self._kernel_owner: dict[tuple[str, str, str], str] = {}   # (device, op, name) -> plugin
         self._architectures: dict[str, Any] | None = None
         self._graph_passes: list[Any] | None = None
 
@@ -270,34 +291,75 @@ class PluginManager:
                 f"PluginError: kernel {kernel.name!r} for op {kernel.op!r} names unknown device "
                 f"{kernel.device!r} (known: {', '.join(self._devices) or 'none'}; ignored)")
             return
+        key = (kernel.device, kernel.op, kernel.name)
+        if key in self._kernel_owner:
+            record.add_error(
+                f"PluginError: kernel {kernel.name!r} for op {kernel.op!r} on device "
+                f"{kernel.device!r} would override the one plugin {self._kernel_owner[key]!r} "
+                "registered (refused; register it under a name of its own)")
+            return
         try:
             registry.register(kernel)
         except KernelError as exc:
             record.add_error(f"{describe_exception(exc)} (ignored)")
+            return
+        self._kernel_owner[key] = record.name
 
-    def architectures(self) -> dict[str, Any]:
-        """HF architecture name -> builder; on a clash the first plugin wins, the later one's
-        record carries the error."""
+    def architectures(self) -> dict[str, Architecture]:
+        """HF architecture name -> Architecture from the plugins (see the module docstring for
+        what is refused); a built-in name is here only when its plugin declared the override."""
         self.load()
         if self._architectures is None:
-            merged: dict[str, Any] = {}
+            builtin = builtin_architecture_names()
+            merged: dict[str, Architecture] = {}
             source: dict[str, str] = {}
             for record, result in self._hook_results("tessellm_architectures", dict):
-                for arch, builder in result.items():
-                    if arch in merged:
+                allowed = self._declared_overrides(record)
+                for arch, value in result.items():
+                    if not isinstance(value, Architecture):
+                        record.add_error(f"PluginError: architecture {arch!r} is "
+                                         f"{type(value).__name__}, not an Architecture (ignored)")
+                    elif arch in merged:
                         record.add_error(f"PluginError: architecture {arch!r} is already provided "
-                                         f"by plugin {source[arch]!r} (ignored)")
-                        continue
-                    merged[arch], source[arch] = builder, record.name
+                                         f"by plugin {source[arch]!r} (refused)")
+                    elif arch in builtin and arch not in allowed:
+                        record.add_error(
+                            f"PluginError: architecture {arch!r} would override tessellm's "
+                            f"built-in one (refused; declare {OVERRIDES_ATTR} = ({arch!r},) "
+                            "to replace it)")
+                    else:
+                        if arch in builtin:
+                            record.overrides.append(f"architecture {arch}")
+                        merged[arch], source[arch] = value, record.name
             self._architectures = merged
         return dict(self._architectures)
 
-    def graph_passes(self) -> list[Any]:
+    def _declared_overrides(self, record: PluginRecord) -> frozenset[str]:
+        declared = getattr(self._pm.get_plugin(record.name), OVERRIDES_ATTR, ())
+        if not isinstance(declared, (tuple, list, set, frozenset)) or \
+                not all(isinstance(n, str) for n in declared):
+            record.add_error(f"PluginError: {OVERRIDES_ATTR} = {declared!r} is not a tuple of "
+                             "architecture names (ignored)")
+            return frozenset()
+        return frozenset(declared)
+
+    def graph_passes(self) -> list[GraphPass]:
+        """The plugins' GraphPasses in plugin order (see the module docstring for refusals)."""
         self.load()
         if self._graph_passes is None:
-            passes: list[Any] = []
-            for _, result in self._hook_results("tessellm_graph_passes", (list, tuple)):
-                passes.extend(result)
+            taken = {name: "tessellm" for name in builtin_pass_names()}
+            passes: list[GraphPass] = []
+            for record, result in self._hook_results("tessellm_graph_passes", (list, tuple)):
+                for p in result:
+                    if not isinstance(p, GraphPass):
+                        record.add_error(f"PluginError: graph pass {p!r} is not a GraphPass "
+                                         "(ignored)")
+                    elif p.name in taken:
+                        record.add_error(f"PluginError: graph pass {p.name!r} would override "
+                                         f"the one of {taken[p.name]!r} (refused)")
+                    else:
+                        taken[p.name] = record.name
+                        passes.append(p)
             self._graph_passes = passes
         return list(self._graph_passes)
 
@@ -324,11 +386,16 @@ class PluginManager:
         self.kernel_registry()
         self.architectures()
         self.graph_passes()
-        return [{
-            "plugin": r.name, "value": r.value, "version": r.version, "status": r.status,
-            "error": r.error,
-            "devices": [_device_row(d) for d in r.devices],
-        } for r in self.records]
+        return [_plugin_row(r) for r in self.records]
+
+
+def _plugin_row(r: PluginRecord) -> dict[str, Any]:
+    row: dict[str, Any] = {"plugin": r.name, "value": r.value, "version": r.version,
+                           "status": r.status, "error": r.error,
+                           "devices": [_device_row(d) for d in r.devices]}
+    if r.overrides:   # only where a plugin replaces a built-in, so the usual row stays as it was
+        row["overrides"] = list(r.overrides)
+    return row
 
 
 def _device_row(d: DeviceRecord) -> dict[str, Any]:

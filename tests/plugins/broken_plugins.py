@@ -9,14 +9,20 @@ from typing import Any, Callable
 import torch
 
 from tessellm.plugin_api import (
+    Architecture,
     Availability,
     DeviceAllocator,
     DevicePlugin,
+    GraphPass,
     Kernel,
     MemoryInfo,
+    ModelGraph,
     SynchronousStream,
     TransferStream,
+    adapt_llama_weights,
+    build_llama_graph,
     hookimpl,
+    llama_family_spec,
 )
 
 
@@ -101,7 +107,34 @@ extra_kernels = _plugin(tessellm_kernels=_returning([
 ]))
 kernels_hook_raises = _plugin(tessellm_kernels=_raise(RuntimeError("kernel build failed")))
 
-archs_a = _plugin(tessellm_architectures=_returning({"ToyForCausalLM": "builder_a"}),
-                  tessellm_graph_passes=_returning(["pass_a"]))
-archs_b = _plugin(tessellm_architectures=_returning({"ToyForCausalLM": "builder_b", "OtherLM": "builder_o"}),
-                  tessellm_graph_passes=_returning(["pass_b"]))
+def _arch(build_graph: Callable[..., Any] = build_llama_graph) -> Architecture:
+    """A Llama-style architecture made from the public API alone."""
+    return Architecture(llama_family_spec, adapt_llama_weights, build_graph)
+
+
+def _identity_pass(mg: ModelGraph) -> ModelGraph:
+    return mg
+
+
+ARCH_A, ARCH_B, ARCH_O = _arch(), _arch(), _arch()
+PASS_A = GraphPass("pass_a", _identity_pass)
+PASS_B = GraphPass("pass_b", _identity_pass, ("linear",))
+
+archs_a = _plugin(tessellm_architectures=_returning({"ToyForCausalLM": ARCH_A}),
+                  tessellm_graph_passes=_returning([PASS_A]))
+archs_b = _plugin(tessellm_architectures=_returning({"ToyForCausalLM": ARCH_B, "OtherLM": ARCH_O}),
+                  tessellm_graph_passes=_returning([PASS_B]))
+not_typed = _plugin(tessellm_architectures=_returning({"StrLM": "builder"}),
+                    tessellm_graph_passes=_returning(["pass_as_a_string"]))
+takes_llama = _plugin(tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_A,
+                                                         "MyLM": ARCH_O}),
+                      tessellm_graph_passes=_returning([GraphPass("fuse_qkv", _identity_pass),
+                                                        GraphPass("pass_a", _identity_pass)]))
+overrides_llama = _plugin(tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_B}))
+overrides_llama.TESSELLM_OVERRIDE_ARCHITECTURES = ("LlamaForCausalLM",)
+bad_override_decl = _plugin(tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_B}))
+bad_override_decl.TESSELLM_OVERRIDE_ARCHITECTURES = "LlamaForCausalLM"
+overrides_cpu_kernel = _plugin(tessellm_kernels=_returning([
+    Kernel("add", "fast_add", torch.add, "fast"),
+    Kernel("add", "own_add", torch.add, "fast"),
+]))

@@ -163,11 +163,58 @@ def test_kernels_for_unknown_device_are_reported_and_known_ones_registered_after
 
 
 def test_architectures_and_graph_passes_are_merged_first_wins() -> None:
+    from broken_plugins import ARCH_A, ARCH_O, PASS_A, PASS_B
     pm = PluginManager(fake("archs_a", "archs_b")).load()
-    assert pm.architectures() == {"ToyForCausalLM": "builder_a", "OtherLM": "builder_o"}
-    assert pm.graph_passes() == ["pass_a", "pass_b"]
-    assert "ToyForCausalLM" in record(pm, "archs_b").error
+    assert pm.architectures() == {"ToyForCausalLM": ARCH_A, "OtherLM": ARCH_O}
+    assert pm.graph_passes() == [PASS_A, PASS_B]
+    err = record(pm, "archs_b").error
+    assert "'ToyForCausalLM' is already provided by plugin 'archs_a' (refused)" in err
     assert record(pm, "archs_a").error is None
+
+
+def test_architectures_and_passes_must_have_the_public_types() -> None:
+    pm = PluginManager(fake("not_typed")).load()
+    assert pm.architectures() == {} and pm.graph_passes() == []
+    err = record(pm, "not_typed").error
+    assert "'StrLM' is str, not an Architecture (ignored)" in err
+    assert "'pass_as_a_string' is not a GraphPass (ignored)" in err
+
+
+def test_built_in_architecture_and_pass_names_are_refused_and_reported(capsys) -> None:
+    from broken_plugins import ARCH_A, ARCH_O
+    pm = PluginManager(fake("archs_a", "takes_llama")).load()
+    assert pm.architectures() == {"ToyForCausalLM": ARCH_A, "MyLM": ARCH_O}
+    assert [p.name for p in pm.graph_passes()] == ["pass_a"]   # archs_a's, not takes_llama's
+    err = record(pm, "takes_llama").error
+    assert "'LlamaForCausalLM' would override tessellm's built-in one (refused; declare " \
+           "TESSELLM_OVERRIDE_ARCHITECTURES = ('LlamaForCausalLM',)" in err
+    assert "graph pass 'fuse_qkv' would override the one of 'tessellm' (refused)" in err
+    assert "graph pass 'pass_a' would override the one of 'archs_a' (refused)" in err
+    row = next(r for r in pm.report() if r["plugin"] == "takes_llama")
+    assert "LlamaForCausalLM" in row["error"] and "overrides" not in row
+
+
+def test_a_declared_override_replaces_the_built_in_and_is_reported() -> None:
+    from broken_plugins import ARCH_B
+    from tessellm.models.architectures import resolve_architecture
+    pm = PluginManager(fake("overrides_llama", "bad_override_decl")).load()
+    assert pm.architectures() == {"LlamaForCausalLM": ARCH_B}
+    assert resolve_architecture({"architectures": ["LlamaForCausalLM"]},
+                                pm.architectures()) is ARCH_B
+    assert record(pm, "overrides_llama").error is None
+    rows = {r["plugin"]: r for r in pm.report()}
+    assert rows["overrides_llama"]["overrides"] == ["architecture LlamaForCausalLM"]
+    assert "is not a tuple of architecture names" in rows["bad_override_decl"]["error"]
+    assert "already provided by plugin 'overrides_llama'" in rows["bad_override_decl"]["error"]
+
+
+def test_a_kernel_that_would_override_a_registered_name_is_refused() -> None:
+    pm = PluginManager(fake("fast", "overrides_cpu_kernel")).load()
+    registry = pm.kernel_registry()
+    assert [k.name for k in registry.kernels("fast", "add")] == ["fast_add", "own_add"]
+    err = record(pm, "overrides_cpu_kernel").error
+    assert ("kernel 'fast_add' for op 'add' on device 'fast' would override the one plugin "
+            "'fast' registered (refused") in err
 
 
 def test_report_is_json_and_shows_every_plugin() -> None:

@@ -38,6 +38,12 @@ BUILTIN_ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+def builtin_architecture_names() -> frozenset[str]:
+    """The HF architecture names tessellm builds itself: a plugin's architecture of one of
+    these names is refused unless the plugin declares the override (tessellm.plugins)."""
+    return frozenset(BUILTIN_ARCHITECTURES)
+
+
 def resolve_architecture(config: dict[str, Any],
                          extra: dict[str, Architecture] | None = None) -> Architecture:
     names = config.get("architectures") or []
