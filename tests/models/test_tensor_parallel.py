@@ -150,3 +150,21 @@ def test_torchrun_environment_runs_the_same_engine(tmp_path, cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ref["text"].removeprefix(ref["prompt"]).strip() in proc.stdout
 
+
+
+def test_packed_gguf_weights_split_over_two_ranks(tmp_path, cache):
+    """A Q8_0 GGUF file stays packed on each rank: rows split for column-parallel linears
+    and the vocabulary, whole 32-weight blocks of columns for row-parallel ones."""
+    from gguf_fixtures import default_tokenizer_gguf, vocab_of, write_gguf
+    from hf_fixtures import ModelCase
+    from tessellm.quant.formats import PackedWeight
+    tok_path = default_tokenizer_gguf("llama")
+    vocab = vocab_of(tok_path)
+    c = CASES["llama"]
+    hf = build_hf_model(ModelCase(c.name, lambda: vocab, c.config, c.seed), vocab)
+    path = write_gguf(tmp_path / "llama-q8_0.gguf", hf, "llama", qtype="Q8_0",
+                      tokenizer_gguf=tok_path)
+    with _llm(path, cache, 2) as two:
+        packed = [w for w in two.engine.parts.weights.values() if isinstance(w, PackedWeight)]
+        assert len(packed) >= 2 * 4
+    _compare(path, cache)

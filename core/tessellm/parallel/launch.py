@@ -10,6 +10,7 @@ config (`WorkerInit`).
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tessellm.errors import ConfigError
 from tessellm.parallel.group import ParallelGroup, ParallelGroupError, join, launcher_environment
 from tessellm.parallel.messages import WorkerInit
 
+log = logging.getLogger(__name__)
 LEADER_PID_ENV = "TESSELLM_TP_LEADER_PID"
 JOINED_KEY = "tessellm/joined/{rank}"
 
@@ -43,6 +45,7 @@ class LocalWorkers:
                    "TESSELLM_DISTRIBUTED_TIMEOUT_S": str(timeout_s)}
             procs.append(subprocess.Popen([sys.executable, "-m", "tessellm.parallel.worker"],
                                           env=env))
+            log.info("tensor-parallel rank %d: pid %d", rank, procs[-1].pid)
         return cls(procs)
 
     def check(self) -> None:
