@@ -214,6 +214,40 @@ def test_stop_interrupts_the_answer_and_the_server_aborts_it(server, browser):
     assert js_errors(browser) == []
 
 
+def test_clear_during_an_answer_forgets_the_whole_conversation(server, browser, offline):
+    open_page(browser, server)
+    open_settings(browser)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max-tokens", "300")
+    send(browser, "Once upon a time")
+    text = last(browser, ".msg.assistant .text")
+    wait(browser, lambda d: len(text_of(text)) > 10)
+    by_id(browser, "clear").click()
+    wait(browser, lambda d: by_id(d, "send").is_displayed())
+    assert browser.find_elements(By.CSS_SELECTOR, "#messages .msg") == []
+    set_field(browser, "max-tokens", "24")
+    send(browser, "Once upon a time")   # sent alone: nothing of the cleared turn goes with it
+    answer = last(browser, ".msg.assistant")
+    wait(browser, lambda d: answer.get_attribute("data-finish") == "length", timeout=20)
+    rendered = offline.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Once upon a time"}], chat_template=CHAT_TEMPLATE,
+        tokenize=False, add_generation_prompt=True)
+    ids = offline.tokenizer.encode(rendered, add_special_tokens=False)
+    assert text_of(answer.find_element(By.CLASS_NAME, "text")) == \
+        offline_text(offline, ids, SamplingParams(max_tokens=24, temperature=0))
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 2
+    # copy puts the answer's exact text on the clipboard
+    browser.execute_cdp_cmd("Browser.grantPermissions", {
+        "origin": server.url, "permissions": ["clipboardReadWrite", "clipboardSanitizedWrite"]})
+    copy = answer.find_element(By.CLASS_NAME, "copy")
+    copy.click()
+    wait(browser, lambda d: copy.text == "Copied", timeout=3)
+    clipboard = browser.execute_async_script(
+        "navigator.clipboard.readText().then(arguments[0], (e) => arguments[0]('ERR ' + e))")
+    assert clipboard == text_of(answer.find_element(By.CLASS_NAME, "text"))
+    assert js_errors(browser) == []
+
+
 def test_dashboard_shows_the_running_request_then_the_finished_counters(server, browser,
                                                                         tmp_path):
     open_page(browser, server)

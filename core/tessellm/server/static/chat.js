@@ -1,7 +1,8 @@
 // The chat: a conversation streamed through /v1/chat/completions (the server applies the
 // model's chat template). Invariants: `turns` holds only completed or stopped exchanges (a
 // failed one is shown, marked, and left out of what is sent next); at most one stream runs;
-// every model and user string is put into the page as text.
+// every model and user string is put into the page as text; a stream cut off by "clear"
+// changes nothing after the clear (the epoch tells).
 import { request, sseData, APIError } from "./api.js";
 import { byId, clear, el } from "./dom.js";
 
@@ -10,6 +11,7 @@ export class Chat {
     this.getModel = getModel;
     this.turns = [];          // [{role, content}] sent as the history
     this.controller = null;   // AbortController of the running stream
+    this.epoch = 0;           // bumped by clear(): a send from before it records nothing
     this.messages = byId("messages");
     this.status = byId("chat-status");
     this.prompt = byId("prompt");
@@ -79,6 +81,7 @@ export class Chat {
     const info = answer.querySelector(".info");
     answer.classList.add("streaming");
     const controller = new AbortController();
+    const epoch = this.epoch;
     this.controller = controller;
     this.setStreaming(true);
     this.status.textContent = "waiting for the first token…";
@@ -116,6 +119,7 @@ export class Chat {
       answer.classList.remove("streaming");
     }
     const seconds = (performance.now() - started) / 1000;
+    if (epoch !== this.epoch) return;   // cleared meanwhile
     if (failed !== null) {
       answer.classList.add("failed");
       userNode.classList.add("failed");
@@ -147,6 +151,7 @@ export class Chat {
 
   clear() {
     this.stop();
+    this.epoch += 1;
     this.turns = [];
     clear(this.messages);
     this.status.textContent = "";
