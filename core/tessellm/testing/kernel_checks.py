@@ -8,7 +8,6 @@ engine reads. A kernel that accepts no case of the matrix cannot be shown correc
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
