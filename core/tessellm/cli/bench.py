@@ -37,6 +37,8 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     prefix = llm.engine.scheduler.prefix_cache_stats
     hits0, steps0 = prefix.hits, llm.engine.stats.num_steps
+    group = llm.engine.parts.parallel
+    coll0 = (group.stats.calls, group.stats.seconds) if group is not None else (0, 0.0)
     runs, gen, prompt_tokens = [], 0, 0
     for r in range(max(1, a.runs)):
         prompts = w1_prompts(a.num_prompts, a.input_len, a.seed + r, vocab)
@@ -47,12 +49,21 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         prompt_tokens = sum(len(p) for p in prompts)
         runs.append((wall, gen / wall, (gen + prompt_tokens) / wall))
     parts = llm.engine.parts
+    steps = (llm.engine.stats.num_steps - steps0) // len(runs)
+    collectives = None
+    if group is not None:   # rank 0's host time in all_reduce / all_gather, per timed run
+        calls, seconds = group.stats.calls - coll0[0], group.stats.seconds - coll0[1]
+        collectives = {"tensor_parallel_size": group.world_size,
+                       "calls_per_step": round(calls / len(runs) / max(steps, 1), 1),
+                       "seconds_per_run": round(seconds / len(runs), 3),
+                       "ms_per_step": round(1e3 * seconds / len(runs) / max(steps, 1), 3)}
     profile = None
     if getattr(a, "profile", False):   # one more run, instrumented, not in the figures above
         from tessellm.engine.op_profile import OpProfile
         with OpProfile(llm.engine) as prof:
             llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 2000, vocab), params)
         profile = prof.report()
+    llm.close()
     return {
         "workload": "W1", "model": parts.source.name, "device": parts.device.name,
         "dtype": str(parts.dtype).removeprefix("torch."), "num_prompts": a.num_prompts,
@@ -60,11 +71,12 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         "max_num_batched_tokens": parts.config.max_num_batched_tokens,
         "threads": torch.get_num_threads(), "load_s": round(load_s, 3),
         "wall_s": round(statistics.median(w for w, _, _ in runs), 3),
-        "steps": (llm.engine.stats.num_steps - steps0) // len(runs),
+        "steps": steps,
         "gen_tokens": gen, "gen_tok_per_s": round(statistics.median(g for _, g, _ in runs), 2),
         "gen_tok_per_s_runs": [round(g, 2) for _, g, _ in runs],
         "total_tok_per_s": round(statistics.median(t for _, _, t in runs), 2),
         "prefix_hit_tokens": prefix.hits - hits0,
         "passes": parts.pass_report.applied,
+        **({"collectives": collectives} if collectives is not None else {}),
         **({"profile": profile} if profile is not None else {}),
     }
