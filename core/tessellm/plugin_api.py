@@ -10,6 +10,7 @@ from tessellm.device import (
     AllocatorStats,
     Availability,
     CompletedEvent,
+    Communicator,
     DecodeGraphShape,
     StaticShapes,
     StaticStepShape,
@@ -30,7 +31,8 @@ from tessellm.quant.formats import PackedFormat, PackedWeight, dequantize, quant
 from tessellm.plugin_spec import API_VERSION, hookimpl
 
 __all__ = [
-    "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "CompletedEvent",
+    "API_VERSION", "AllocatorStats", "AttentionMetadata", "Availability", "Communicator",
+    "CompletedEvent",
     "DecodeGraphShape", "StaticShapes", "StaticStepShape",
     "DeviceAllocator", "DevicePlugin", "Event", "HostAllocator", "Kernel", "KernelQuery",
     "MemoryInfo", "PackedFormat", "PackedWeight", "SynchronousStream", "TransferStream",

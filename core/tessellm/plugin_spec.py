@@ -32,7 +32,8 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # 1.3 (additive): everything the architecture and graph-pass hooks need is in plugin_api
 # (Architecture, ModelSpec and its readers, the Llama / GPT-2 builders and weight adapters,
 # ModelGraph, GraphBuilder, graph_ops, GraphPass, linear_call, linear_dims);
-# TESSELLM_OVERRIDE_ARCHITECTURES; name clashes are refused instead of first-wins only.
+# TESSELLM_OVERRIDE_ARCHITECTURES; name clashes are refused instead of first-wins only;
+# tensor parallelism's Communicator and the optional DevicePlugin.communicator hook.
 API_VERSION = "1.3"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

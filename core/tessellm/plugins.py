@@ -59,6 +59,7 @@ class DeviceRecord:
     priority: int
     available: bool
     reason: str
+    distributed_backend: str = "gloo"   # tensor parallelism's collectives (torch.distributed)
     # kernels the device has but does not offer here, name -> reason (kernels_not_offered())
     not_offered: dict[str, str] = field(default_factory=dict)
 
@@ -191,7 +192,8 @@ class PluginManager:
                 return f"PluginError: device {name!r} is provided twice"
             names.add(name)
         for dev in devices:
-            rec = DeviceRecord(dev.name, record.name, int(dev.priority), *_probe(dev))
+            rec = DeviceRecord(dev.name, record.name, int(dev.priority), *_probe(dev),
+                               distributed_backend=str(dev.distributed_backend))
             record.devices.append(rec)
             self._devices[dev.name] = (dev, rec)
         return None
@@ -400,7 +402,7 @@ def _plugin_row(r: PluginRecord) -> dict[str, Any]:
 
 def _device_row(d: DeviceRecord) -> dict[str, Any]:
     row: dict[str, Any] = {"name": d.name, "priority": d.priority, "available": d.available,
-                           "reason": d.reason}
+                           "reason": d.reason, "distributed_backend": d.distributed_backend}
     if d.not_offered:   # only where some kernel is left out, so the usual row stays as it was
         row["kernels_not_offered"] = dict(d.not_offered)
     return row

@@ -222,7 +222,8 @@ def test_report_is_json_and_shows_every_plugin() -> None:
     rows = json.loads(json.dumps(pm.report()))
     by_name = {row["plugin"]: row for row in rows}
     assert set(by_name) == {"fast", "future_api", "flaky_probe", "ghost"}
-    assert by_name["fast"]["devices"] == [{"name": "fast", "priority": 100, "available": True, "reason": ""}]
+    assert by_name["fast"]["devices"] == [{"name": "fast", "priority": 100, "available": True, "reason": "",
+                                         "distributed_backend": "gloo"}]
     assert by_name["future_api"]["status"] == "refused"
     assert by_name["ghost"]["status"] == "error"
     assert by_name["flaky_probe"]["devices"][0]["available"] is False

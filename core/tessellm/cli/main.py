@@ -75,7 +75,8 @@ def cmd_plugins(a: argparse.Namespace) -> int:
             print(f"    overrides built-in {what} (declared)")
         for d in r.get("devices", []):
             state = "available" if d["available"] else f"unavailable: {d['reason']}"
-            print(f"    device {d['name']} (priority {d['priority']}): {state}")
+            print(f"    device {d['name']} (priority {d['priority']}, distributed backend "
+                  f"{d['distributed_backend']}): {state}")
             for kernel, why in d.get("kernels_not_offered", {}).items():
                 why = why.replace("\n", "\n            ")   # a compiler's output, indented
                 print(f"        kernel {kernel} not offered: {why}")
