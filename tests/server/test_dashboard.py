@@ -92,7 +92,8 @@ def test_static_files_ship_and_reference_only_each_other():
                 assert sink not in text, (name, sink)
 
 
-async def _app_client(stories_dir, api_key: str | None = None):
+async def _app_client(stories_dir, api_key: str | None = None
+                      ) -> tuple[TestClient, LLM, ServerState]:
     llm = LLM(str(stories_dir), dtype="float32", kernel_selection="first", load_progress=False,
               max_num_batched_tokens=64, max_num_seqs=1, priority_levels=3)
     install_test_hooks(llm.engine, llm.tokenizer, {STEP_DELAY_ENV: "0.02"})
@@ -101,7 +102,7 @@ async def _app_client(stories_dir, api_key: str | None = None):
     engine = AsyncEngine(core, llm.tokenizer)
     source = ModelSource("hf_dir", stories_dir, "stories260K-hf")
     state = ServerState.build(engine, llm.tokenizer, ServerConfig(api_key=api_key), source, None)
-    return TestClient(TestServer(create_app(state))), llm
+    return TestClient(TestServer(create_app(state))), llm, state
 
 
 async def _wait_for(client: TestClient, predicate, timeout: float = 10.0,
@@ -117,7 +118,7 @@ async def _wait_for(client: TestClient, predicate, timeout: float = 10.0,
 
 def test_page_files_are_served_with_a_same_origin_policy(stories_dir):
     async def run() -> None:
-        client, _ = await _app_client(stories_dir, api_key=KEY)
+        client, _, _ = await _app_client(stories_dir, api_key=KEY)
         async with client:
             page = await client.get("/")   # the page itself needs no key
             assert page.status == 200 and page.content_type == "text/html"
@@ -142,7 +143,7 @@ def test_dashboard_reports_priorities_preemption_latencies_and_finishes(stories_
     """One running slot: a priority-2 request runs, a priority-0 one arrives and evicts it
     (priority is preemptive); the snapshot shows each in its class, then the counters."""
     async def run() -> None:
-        client, llm = await _app_client(stories_dir)
+        client, llm, state = await _app_client(stories_dir)
         async with client:
             snap = await (await client.get("/api/dashboard")).json()
             e = snap["engine"]
@@ -182,5 +183,8 @@ def test_dashboard_reports_priorities_preemption_latencies_and_finishes(stories_
             assert cache["hits"] >= 2 * llm.engine.parts.config.block_size
             assert cache["hit_rate"] == pytest.approx(cache["hits"] / cache["queries"])
             assert snap["history"]["interval_s"] == 1.0
+            state.engine._die("boom")   # as if the core had died
+            snap = await (await client.get("/api/dashboard")).json()
+            assert (snap["engine"]["alive"], snap["engine"]["fatal_error"]) == (False, "boom")
 
     asyncio.run(run())

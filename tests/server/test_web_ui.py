@@ -9,6 +9,8 @@ Skipped, with the reason, where chromium, chromedriver or selenium is missing.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -355,3 +357,14 @@ def test_markup_from_the_model_the_user_and_errors_is_shown_as_text(server, brow
     assert browser.execute_script("return window.__pwned") == 0
     assert js_errors(browser) == []
 
+
+
+def test_header_shows_when_the_engine_core_is_gone(server, browser):
+    """Last in the module: it kills the engine core, and so the server (exit status 1)."""
+    open_page(browser, server, hash_="engine")
+    wait(browser, lambda d: by_id(d, "core-status").text == "cpu ok")
+    os.kill(snapshot(server)["engine"]["core_pid"], signal.SIGKILL)
+    assert server.proc.wait(15) == 1
+    wait(browser, lambda d: by_id(d, "core-status").text == "unreachable", timeout=5)
+    assert "bad" in by_id(browser, "core-status").get_attribute("class")
+    assert by_id(browser, "dash-error").is_displayed()

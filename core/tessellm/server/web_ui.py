@@ -9,6 +9,7 @@ JSON) does.
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from importlib import resources
 
 from aiohttp import web
@@ -33,7 +34,7 @@ def read_static_files() -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in STATIC_FILES}
 
 
-def _file(name: str):
+def _file(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handler(request: web.Request) -> web.Response:
         body = request.app[UI_KEY][name]
         return web.Response(body=body, headers={

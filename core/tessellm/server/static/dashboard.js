@@ -15,6 +15,7 @@ export class Dashboard {
   constructor() {
     this.timer = null;
     this.last = null;
+    this.error = null;   // the latest refresh's failure (null after a success)
   }
 
   render(d) {
@@ -87,8 +88,10 @@ export class Dashboard {
   async refresh() {
     try {
       this.render(await getJSON("/api/dashboard"));
+      this.error = null;
       return this.last;
     } catch (err) {
+      this.error = err;
       const box = byId("dash-error");
       box.textContent = `dashboard: ${err.message}`;
       box.hidden = false;

@@ -1,7 +1,7 @@
 // Wiring of the page: tabs (#chat / #engine), the served model's name, the engine core's
 // status in the header and the dashboard's polling (every second while the Engine tab is
 // shown, every five otherwise, paused while the browser tab is hidden).
-import { apiKey, forgetKey, getJSON } from "./api.js";
+import { APIError, apiKey, forgetKey, getJSON } from "./api.js";
 import { Chat } from "./chat.js";
 import { Dashboard } from "./dashboard.js";
 import { byId } from "./dom.js";
@@ -27,11 +27,13 @@ function showTab(name) {
   schedulePoll(0);
 }
 
-function setCoreStatus(snapshot) {
+function setCoreStatus(snapshot, error) {
   const node = byId("core-status");
-  if (!snapshot) {
-    node.className = "status unknown";
-    node.textContent = "core ?";
+  if (!snapshot) {  // an answer that is not a snapshot, or none at all (server gone)
+    const answered = error instanceof APIError;
+    node.className = `status ${answered ? "unknown" : "bad"}`;
+    node.textContent = answered ? "core ?" : "unreachable";
+    node.title = error ? error.message : "";
     return;
   }
   const e = snapshot.engine;
@@ -42,7 +44,9 @@ function setCoreStatus(snapshot) {
 
 async function poll() {
   pollTimer = null;
-  if (document.visibilityState !== "hidden") setCoreStatus(await dashboard.refresh());
+  if (document.visibilityState !== "hidden") {
+    setCoreStatus(await dashboard.refresh(), dashboard.error);
+  }
   schedulePoll(engineShown() ? FAST_MS : SLOW_MS);
 }
 
