@@ -168,3 +168,21 @@ def test_packed_gguf_weights_split_over_two_ranks(tmp_path, cache):
         packed = [w for w in two.engine.parts.weights.values() if isinstance(w, PackedWeight)]
         assert len(packed) >= 2 * 4
     _compare(path, cache)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_copy_on_write_replay_on_every_rank(mode, cache):
+    """A pool too small for the batch (preemptions, swapped blocks copied out and back on
+    each rank) and n=2 siblings (copy-on-write blocks): the same tokens as one process."""
+    prompts = [[1, *range(20 + 7 * i, 60 + 7 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, n=2)
+    extra = dict(num_kv_blocks=12, preemption_mode=mode)
+    results = []
+    for tp in (1, 2):
+        with _llm(STORIES_260K, cache, tp, **extra) as llm:
+            outs = llm.generate(prompts, params)
+            results.append([[s.token_ids for s in o.outputs] for o in outs])
+            assert llm.engine.stats.num_preemptions > 0
+            if mode == "swap":
+                assert llm.engine.stats.num_swapped_in_blocks > 0
+    assert results[0] == results[1]
