@@ -22,6 +22,8 @@ def test_the_site_builds_strictly(tmp_path) -> None:
     assert "--8&lt;--" not in device_page and "--8<--" not in device_page
     kernel_page = (site / "tutorials" / "faster_kernel" / "index.html").read_text()
     assert "rms_norm_functional" in kernel_page
+    arch_page = (site / "tutorials" / "new_architecture" / "index.html").read_text()
+    assert "rotary_rows_to_halves" in arch_page and "halves_to_pairs" in arch_page
     config_page = (site / "reference" / "configuration" / "index.html").read_text()
     assert "max_num_batched_tokens" in config_page and "drain_timeout_s" in config_page
     api_page = (site / "reference" / "plugin_api" / "index.html").read_text()

@@ -1,0 +1,1 @@
+"""tessellm-meta-llama: serves Llama checkpoints written in Meta's original layout."""
