@@ -114,3 +114,36 @@ def test_packed_gguf_on_the_simulated_accelerator() -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=12, temperature=0.0))[0]
     assert "Paris" in out.text
+
+
+def test_q8_activations_opt_in_rounds_packed_linear_inputs(stories_dir, reference) -> None:
+    """packed_activations="q8_0": every packed linear becomes linear_packed_q8act; the C VNNI
+    kernel and the torch one give the same tokens (they differ only by float rounding), and
+    against float activations the prefill logits move by the int8 rounding of the inputs."""
+    base = dict(quantization="q8_0", kernel_selection="first")
+    exact = _llm(stories_dir, **base)
+    runs = {}
+    for kernel in ("linear_q8act_vnni", "linear_packed_q8act_torch"):
+        llm = _llm(stories_dir, **{**base, "packed_activations": "q8_0",
+                                   "kernel_selection": {"linear_packed_q8act": kernel}})
+        parts = llm.engine.parts
+        assert "q8_activations" in parts.pass_report.applied
+        labels = parts.plan.describe()
+        assert sum("ops.linear_packed_q8act]" in x for x in labels) == 3 * parts.spec.num_layers
+        assert not any("ops.linear_packed]" in x for x in labels)
+        logits, _ = prefill_logits_and_token(llm, reference["token_ids"][:5])
+        runs[kernel] = (logits, llm.generate([reference["token_ids"][:5]], GREEDY)[0].token_ids)
+    (a_logits, a_tokens), (b_logits, b_tokens) = runs.values()
+    assert a_tokens == b_tokens
+    torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=0)
+    float_logits, _ = prefill_logits_and_token(exact, reference["token_ids"][:5])
+    moved = (a_logits - float_logits).abs().max().item()
+    assert 1e-4 < moved < 1.0, moved
+
+
+def test_q8_activations_need_packed_weights_and_a_kernel(stories_dir) -> None:
+    with pytest.raises(ConfigError, match="applies to packed weights"):
+        _llm(stories_dir, packed_activations="q8_0")
+    with pytest.raises(ConfigError, match="no linear_packed_q8act kernel"):   # tests set
+        LLM(str(stories_dir), device="triton-interpret", dtype="float32",   # TRITON_INTERPRET
+            load_progress=False, quantization="q8_0", packed_activations="q8_0")

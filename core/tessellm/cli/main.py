@@ -20,6 +20,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
                    choices=["auto", "none", "int8", "q8_0", "q4_0", "q4_1"],
                    help="auto: GGUF Q8_0/Q4_0/Q4_1 stay packed; none: dequantize at load; "
                         "int8|q8_0|q4_0|q4_1: quantize a safetensors model's linears at load")
+    p.add_argument("--packed-activations", default=None, choices=["float", "q8_0"],
+                   help="q8_0: packed linears round their input to int8 blocks and use integer "
+                        "dot products (llama.cpp's way; changes results slightly)")
     p.add_argument("--device", default="auto", help="auto | cpu | <plugin device name>")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -44,7 +47,7 @@ def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
-            "tensor_parallel_size")
+            "tensor_parallel_size", "packed_activations")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

@@ -23,6 +23,8 @@ from tessellm.kernels.profiler import KernelSelector, ProfileCache
 from tessellm.kernels.registry import KernelRegistry
 from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
+from tessellm.graph.passes.q8_activations import q8_activations
+from tessellm.graph import ops
 from tessellm.models.demo import DEMO_NOTICE
 from tessellm.models.hf_files import eos_token_ids
 from tessellm.models.architectures import resolve_architecture
@@ -78,6 +80,7 @@ class EngineParts:
 
 
 PACKED_OPS = ("linear_packed", "embedding_packed")
+Q8ACT_OP = "linear_packed_q8act"
 DEAD_CODE = GraphPass("remove_dead_code", remove_dead_code)
 QUANTIZE_AT_LOAD = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
 
@@ -113,7 +116,8 @@ def keep_packed(config: EngineConfig, source: ModelSource, device: DevicePlugin,
 
 
 def weight_bytes(weights: dict[str, torch.Tensor | PackedWeight]) -> int:
-    return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+    """Packed weights and kernel layouts (WeightLayout.prepare's objects) count `nbytes`."""
+    return sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
                for w in weights.values())
 
 
@@ -231,8 +235,18 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         quantize = GraphPass(f"quantize_{fmt.name.lower()}",
                              lambda mg: quantize_linears(mg, fmt), ("linear_packed",))
         passes = passes[:-1] + [quantize] + passes[-1:] if passes else [quantize, DEAD_CODE]
+    if config.packed_activations == "q8_0":
+        if not registry.has_op(device.name, Q8ACT_OP):
+            raise ConfigError(f"packed_activations='q8_0': device {device.name!r} has no "
+                              f"{Q8ACT_OP} kernel")
+        q8 = GraphPass("q8_activations", q8_activations, (Q8ACT_OP,))
+        passes = passes[:-1] + [q8] + passes[-1:] if passes else [q8, DEAD_CODE]
     passes = passes[:-1] + list(plugins.graph_passes()) + (extra_passes or []) + passes[-1:]
     graph, report = run_passes(graph, passes, lambda op: registry.has_op(device.name, op))
+    if config.packed_activations == "q8_0" and not graph.op_nodes(ops.linear_packed_q8act):
+        raise ConfigError("packed_activations='q8_0' applies to packed weights (a GGUF file "
+                          "with quantization auto, or quantization int8/q8_0/q4_0/q4_1); "
+                          "this model has none")
     graph.weights.update({name: _upload(device, w) for name, w in graph.weights.items()})
     n_bytes = weight_bytes(graph.weights)
     log.info("weights: %.1f MiB on %s%s", n_bytes / 2**20, device.name,

@@ -32,6 +32,10 @@ def linear_packed(x, weight, bias=None):
     return ref.linear_packed(x, weight, bias)
 
 
+def linear_packed_q8act(x, weight, bias=None):
+    return ref.linear_packed_q8act(x, weight, bias)
+
+
 def rms_norm(x, weight, eps):
     return ref.rms_norm(x, weight, eps)
 
@@ -127,7 +131,8 @@ STRUCTURAL_OPS = (split_last, per_head, merge_heads, select_rows, local_vocab_id
 
 DEVICE_OPS: dict[Callable, str] = {
     fn: fn.__name__ for fn in (
-        embedding, linear, embedding_packed, linear_packed, rms_norm, fused_add_rms_norm, layer_norm, add, mul, silu,
+        embedding, linear, embedding_packed, linear_packed, linear_packed_q8act, rms_norm,
+        fused_add_rms_norm, layer_norm, add, mul, silu,
         silu_and_mul, gelu_tanh, rotary_embedding)
 }
 COMPOSITE_OPS: dict[Callable, tuple[str, ...]] = {

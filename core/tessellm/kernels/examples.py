@@ -105,7 +105,7 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         w = _randn(gen, (d["out_features"], d["in_features"]), dt, dev, d["in_features"] ** -0.5)
         b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
         return [_randn(gen, (T, d["in_features"]), dt, dev), w, b]
-    if op == "linear_packed":  # weights quantized from seeded random ones
+    if op in ("linear_packed", "linear_packed_q8act"):  # weights quantized from seeded ones
         fmt = packed_format(d["qtype"])
         w = quantize(torch.randn((d["out_features"], d["in_features"]), generator=gen)
                      * d["in_features"] ** -0.5, fmt, dt)

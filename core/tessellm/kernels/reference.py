@@ -37,6 +37,24 @@ def linear_packed(x: torch.Tensor, weight: PackedWeight,
     return (out + bias.float() if bias is not None else out).to(x.dtype)
 
 
+def quantize_q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (float32 math) with each 32-value block of its last dim rounded as an int8 block:
+    d = max|x| / 127, x -> round-half-even(x / d) * d (an all-zero block stays zero). This is
+    what a Q8_0 activation block holds (with d kept in float32)."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0)
+    return (q * d).flatten(-2)
+
+
+def linear_packed_q8act(x: torch.Tensor, weight: PackedWeight,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear_packed with the input's 32-value blocks first rounded to int8
+    (quantize_q8_blocks): llama.cpp's way of running a quantized model, opt-in
+    (EngineConfig.packed_activations = "q8_0") since it changes the numbers."""
+    return linear_packed(quantize_q8_blocks(x), weight, bias).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -238,6 +256,7 @@ REFERENCE_OPS = {
     "linear": linear,
     "embedding_packed": embedding_packed,
     "linear_packed": linear_packed,
+    "linear_packed_q8act": linear_packed_q8act,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "layer_norm": layer_norm,

@@ -143,14 +143,15 @@ def _packed_cases(op: str) -> list[KernelCase]:
     for dt in DTYPES:
         for fmt in PACKED:
             for T in ROW_COUNTS:
-                if op == "linear_packed":
+                if op in ("linear_packed", "linear_packed_q8act"):
                     bias = int(fmt.name == "Q4_0")
-                    dims = {"in_features": 64, "out_features": 40, "bias": bias,
+                    k = 96 if fmt.name == "Q4_1" else 64   # an odd number of blocks too
+                    dims = {"in_features": k, "out_features": 40, "bias": bias,
                             "qtype": fmt.ggml_type}
 
-                    def build(g, fmt=fmt, dt=dt, T=T, bias=bias):
-                        w = quantize(torch.randn((40, 64), generator=g) * 0.125, fmt, dt)
-                        return CaseInputs([_randn(g, (T, 64), dt), w,
+                    def build(g, fmt=fmt, dt=dt, T=T, bias=bias, k=k):
+                        w = quantize(torch.randn((40, k), generator=g) * 0.125, fmt, dt)
+                        return CaseInputs([_randn(g, (T, k), dt), w,
                                            _randn(g, (40,), dt) if bias else None])
                 else:
                     dims = {"vocab": 30, "hidden": 64, "qtype": fmt.ggml_type}
@@ -307,7 +308,7 @@ def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
     """Every conformance case of `op`; KernelError for an op the matrix does not know."""
     if op in _ROW_OPS:
         return _row_cases(op)
-    if op in ("linear_packed", "embedding_packed"):
+    if op in ("linear_packed", "linear_packed_q8act", "embedding_packed"):
         return _packed_cases(op)
     if op == "rotary_embedding":
         return _rotary_cases()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import logging
 
-from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable
+from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable, reference
 from tessellm_cpu import attention
 from tessellm_cpu.native_build import NativeBuildError
 
@@ -85,11 +85,14 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     to `tessellm plugins`. Nothing here stops the device or its other kernels."""
     from tessellm_cpu.native_attention import NativeDecode
     from tessellm_cpu.native_linear import NativePackedLinear
+    from tessellm_cpu.native_linear_q8act import NativeQ8ActLinear
     from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
                                                NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
              ("linear_packed", "linear_packed_native", NativePackedLinear,
               "C, reads Q8_0/Q4_0/Q4_1 blocks in place"),
+             ("linear_packed_q8act", "linear_q8act_vnni", NativeQ8ActLinear,
+              "C, int8 dot products (AVX-512 VNNI), Q8_0/Q4_0/Q4_1 blocks in place"),
              ("rotary_embedding", "rotary_native", NativeRotary, "C, one pass per token"),
              ("write_kv_cache", "write_kv_native", NativeWriteKV, "C, row copies; slot -1 skipped"),
              ("rms_norm", "rms_norm_native", NativeRmsNorm, "C, one pass per row"),
@@ -126,6 +129,8 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
         k("linear", "linear_aten", F.linear),
         k("linear_packed", "linear_packed_dequant_matmul", portable.linear_packed_dequant,
           "dequantize to the activation dtype, then F.linear"),
+        k("linear_packed_q8act", "linear_packed_q8act_torch", reference.linear_packed_q8act,
+          "input blocks rounded to int8, then a float32 matmul over the dequantized weight"),
         k("embedding_packed", "embedding_packed_rows", portable.embedding_packed_rows),
         k("rms_norm", "rms_norm_aten", rms_norm_aten, "F.rms_norm in float32"),
         k("rms_norm", "rms_norm_composite", portable.rms_norm, "pow/mean/rsqrt in float32"),

@@ -1,0 +1,221 @@
+/* Linear over packed GGML weights with int8 activations (llama.cpp's way) for the tessellm
+ * CPU plugin: op linear_packed_q8act, out[M, N] = q8(x)[M, K] @ W[N, K]^T (+ bias), where q8(x)
+ * quantizes each 32-value block of a row of x to int8 with a float32 scale
+ * (d = max|x| / 127, q = round-half-even(x / d); an all-zero block has d = 0, q = 0), exactly
+ * as tessellm.kernels.reference.quantize_q8_blocks does, and the dot products of a block run
+ * on integers (AVX-512 VNNI: 64 u8 x s8 products per instruction).
+ *
+ * Weights are the GGUF blocks, read in place (tessellm.quant.formats): Q8_0 (fp16 d, s8 q[32]:
+ * w = d q), Q4_0 (fp16 d, nibbles: w = d (q - 8), i.e. m = -8 d), Q4_1 (fp16 d, fp16 m,
+ * nibbles: w = d q + m); weight j < 16 of a 4-bit block is the low nibble of byte j, weight
+ * j + 16 its high nibble. The scales of 16 blocks are gathered at once.
+ * Per block: sum_j w_j xq_j dx = dx d (q . xq) + m dx (sum xq): the integer dot product is
+ * exact, the scaling is float32, so the result equals the float32 product of the two
+ * dequantized operands up to rounding. Work: OpenMP over groups of NR output features; each
+ * group runs every row of x (its weights stay in L1). Needs AVX-512 BW + VNNI (the build
+ * fails without them, and the kernel is then not offered).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
+#error "linear_q8act needs AVX-512 F, BW and VNNI"
+#endif
+
+#define QK 32
+#define NR 4
+#define INLINE static inline __attribute__((always_inline))
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+/* Scratch for one row of x: xq (nb rounded up to even, 32 bytes a block), then dx and sx
+ * (dx * sum of the block's xq), nb rounded up to 16 floats each. */
+typedef struct {
+    int8_t *xq;
+    float *dx, *sx;
+} QRow;
+
+INLINE int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+INLINE size_t row_bytes(int64_t nb) {
+    return (size_t)round_up(nb, 2) * QK + 2 * sizeof(float) * (size_t)round_up(nb, 16);
+}
+
+/* Quantize one row of x. `interleave`: pairs of blocks (A, B) laid out as A0-15 B0-15 A16-31
+ * B16-31, the order the unpacked 4-bit weights of a pair come in; else blocks in order. */
+static void quantize_row(const float *x, int64_t nb, int interleave, QRow r) {
+    memset(r.xq, 0, (size_t)round_up(nb, 2) * QK);
+    memset(r.dx, 0, sizeof(float) * (size_t)round_up(nb, 16));
+    memset(r.sx, 0, sizeof(float) * (size_t)round_up(nb, 16));
+    for (int64_t b = 0; b < nb; b++) {
+        const float *p = x + b * QK;
+        const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f;
+        __m512i qlo = _mm512_setzero_si512(), qhi = _mm512_setzero_si512();
+        if (d > 0.f) {   /* round to nearest even (MXCSR default), as torch.round */
+            const __m512 vd = _mm512_set1_ps(d);
+            qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, vd));
+            qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, vd));
+        }
+        const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
+        int8_t *dst;
+        if (interleave) {
+            dst = r.xq + (b / 2) * 64 + (b % 2) * 16;
+            _mm_storeu_si128((__m128i *)dst, blo);
+            _mm_storeu_si128((__m128i *)(dst + 32), bhi);
+        } else {
+            dst = r.xq + b * QK;
+            _mm_storeu_si128((__m128i *)dst, blo);
+            _mm_storeu_si128((__m128i *)(dst + 16), bhi);
+        }
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        r.dx[b] = d;
+        r.sx[b] = d * (float)s;
+    }
+}
+
+/* Lane -> block of a 16-block group, for pair j of the group: the 4-bit layout puts block 2j in
+ * lanes 0-3 and 8-11 and block 2j+1 in lanes 4-7 and 12-15; the 8-bit one 2j in 0-7. */
+INLINE __m512i pair_lanes(int j, int interleave) {
+    const int a = 2 * j, b = 2 * j + 1;
+    if (interleave)
+        return _mm512_setr_epi32(a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b);
+    return _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+}
+
+INLINE __mmask16 group_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* The fp16 words at the start of blocks g .. g + 15 of a row (`base` = block g), as 32-bit
+ * lanes: the block's d in the low half, the next fp16 (Q4_1's m) in the high half. */
+INLINE __m512i block_heads(const uint8_t *base, int64_t bb, __mmask16 gm) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)bb));
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), gm, idx, base, 1);
+}
+
+INLINE __m512 half_lo(__m512i words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
+INLINE __m512 half_hi(__m512i words) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+}
+
+/* One x row against weight rows n0 .. n0 + nr - 1 (4-bit, blocks read in place): res[r]. */
+INLINE void q4_rows(QRow xr, int64_t nb, const uint8_t *w, int64_t row, int qtype, int64_t n0,
+                    int nr, float *res) {
+    const int64_t bb = qtype == Q4_1 ? 20 : 18, qoff = qtype == Q4_1 ? 4 : 2;
+    __m512 acc[NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int64_t ng = nb - g < 16 ? nb - g : 16;
+        const __mmask16 gm = group_mask(ng);
+        const __m512 dx = _mm512_loadu_ps(xr.dx + g), sx = _mm512_loadu_ps(xr.sx + g);
+        __m512 s[NR];
+        for (int r = 0; r < nr; r++) {
+            const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
+            const __m512 d = half_lo(heads);
+            const __m512 m = qtype == Q4_1 ? half_hi(heads) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+            s[r] = _mm512_mul_ps(d, dx);
+            acc[r] = _mm512_fmadd_ps(m, sx, acc[r]);   /* the offset term: m dx sum(xq) */
+        }
+        for (int64_t p = 0; p < ng; p += 2) {
+            const __m512i xv = _mm512_loadu_si512(xr.xq + (g + p) * QK);
+            const __m512i lanes = pair_lanes((int)(p / 2), 1);
+            const int has_b = p + 1 < ng;
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + qoff;
+                const __m128i qa = _mm_loadu_si128((const __m128i *)a);
+                const __m128i qb = has_b ? _mm_loadu_si128((const __m128i *)(a + bb))
+                                         : _mm_setzero_si128();
+                const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
+                const __m256i lo = _mm256_and_si256(q, nib);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+                const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                         _mm512_permutexvar_ps(lanes, s[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* One x row against weight rows n0 .. n0 + nr - 1 (Q8_0, blocks read in place): res[r].
+ * Signed x signed through u8 x s8: |w| times x with w's sign moved onto x. */
+INLINE void q8_rows(QRow xr, int64_t nb, const uint8_t *w, int64_t row, int64_t n0, int nr,
+                    float *res) {
+    const int64_t bb = 34;
+    __m512 acc[NR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int64_t ng = nb - g < 16 ? nb - g : 16;
+        const __mmask16 gm = group_mask(ng);
+        const __m512 dx = _mm512_loadu_ps(xr.dx + g);
+        __m512 s[NR];
+        for (int r = 0; r < nr; r++)
+            s[r] = _mm512_mul_ps(half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm)), dx);
+        for (int64_t p = 0; p < ng; p += 2) {
+            const __m512i xv = _mm512_loadu_si512(xr.xq + (g + p) * QK);
+            const __m512i lanes = pair_lanes((int)(p / 2), 0);
+            const int has_b = p + 1 < ng;
+            for (int r = 0; r < nr; r++) {
+                const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + 2;
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)a);
+                const __m256i qb = has_b ? _mm256_loadu_si256((const __m256i *)(a + bb))
+                                         : _mm256_setzero_si256();
+                const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
+                const __mmask64 neg = _mm512_movepi8_mask(q);
+                const __m512i xs = _mm512_mask_sub_epi8(xv, neg, zero, xv);
+                const __m512i dot = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(q), xs);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                         _mm512_permutexvar_ps(lanes, s[r]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* Returns 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated. */
+int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                     int qtype, const float *bias, float *out) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K <= 0 || K % QK != 0 || M < 0 ||
+        N < 0)
+        return 1;
+    if (M == 0 || N == 0) return 0;
+    const int64_t nb = K / QK;
+    const int64_t row = nb * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
+    const int interleave = qtype != Q8_0;
+    const size_t per_row = round_up((int64_t)row_bytes(nb), 64);
+    uint8_t *scratch = aligned_alloc(64, per_row * (size_t)M);
+    if (!scratch) return 2;
+    QRow *rows = malloc(sizeof(QRow) * (size_t)M);
+    if (!rows) { free(scratch); return 2; }
+    for (int64_t i = 0; i < M; i++) {
+        uint8_t *base = scratch + per_row * (size_t)i;
+        rows[i].xq = (int8_t *)base;
+        rows[i].dx = (float *)(base + round_up(nb, 2) * QK);
+        rows[i].sx = rows[i].dx + round_up(nb, 16);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, nb, interleave, rows[i]);
+#pragma omp parallel for schedule(static)
+    for (int64_t grp = 0; grp < (N + NR - 1) / NR; grp++) {
+        const int64_t n0 = grp * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        float res[NR];
+        for (int64_t i = 0; i < M; i++) {
+            if (interleave)
+                q4_rows(rows[i], nb, w, row, qtype, n0, nr, res);
+            else
+                q8_rows(rows[i], nb, w, row, n0, nr, res);
+            for (int r = 0; r < nr; r++)
+                out[i * N + n0 + r] = res[r] + (bias ? bias[n0 + r] : 0.f);
+        }
+    }
+    free(rows);
+    free(scratch);
+    return 0;
+}

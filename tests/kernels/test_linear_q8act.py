@@ -1,0 +1,60 @@
+"""op linear_packed_q8act: int8-rounded input blocks times a packed weight (llama.cpp's way).
+
+The reference rounds each 32-value block of the input as Q8_0 does (d = max|x| / 127, half to
+even) and multiplies by the dequantized weight in float32. The CPU plugin's C kernel (AVX-512
+VNNI integer dot products over the GGUF blocks read in place) equals it up to float32 rounding
+for Q8_0, Q4_0 and Q4_1, any row count, an odd number of blocks and output features not a
+multiple of its 4-row groups; it is not the float product (the rounding is real)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessellm.kernels import reference as ref
+from tessellm.quant.formats import FORMATS_BY_NAME, quantize
+
+
+def test_q8_blocks_round_half_even_with_the_block_max_at_127():
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 12.7, 0.05, -0.15   # d = 0.1: 0.5 -> 0, -1.5 -> -2
+    out = ref.quantize_q8_blocks(x)
+    d = torch.tensor(12.7) / 127
+    assert out[0, 0] == torch.round(x[0, 0] / d) * d
+    assert out[0, 1] == torch.round(torch.tensor(0.05) / d) * d
+    assert (out[1] == 0).all()                       # an all-zero block stays zero
+    q = ref.quantize_q8_blocks(torch.randn(4, 64)).unflatten(-1, (-1, 32))
+    steps = q / (q.abs().amax(-1, keepdim=True) / 127)
+    assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() <= 127.001
+
+
+@pytest.fixture(scope="module")
+def native():
+    try:
+        from tessellm_cpu.native_linear_q8act import NativeQ8ActLinear
+        return NativeQ8ActLinear()
+    except Exception as e:   # no VNNI or no compiler: the kernel is not offered there
+        pytest.skip(f"native q8act kernel unavailable here: {e}")
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("m, n, k", [(1, 13, 64), (1, 576, 576), (3, 7, 96), (17, 9, 32 * 33),
+                                     (5, 130, 32 * 19)])
+def test_native_kernel_equals_the_reference(native, fmt, m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = quantize(torch.randn(n, k, generator=g) * k ** -0.5, FORMATS_BY_NAME[fmt])
+    x = torch.randn(m, k, generator=g)
+    x[0, :32] = 0
+    bias = torch.randn(n, generator=g)
+    want = ref.linear_packed_q8act(x, w, bias)
+    got = native(x, w, bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    exact = ref.linear_packed(x, w, bias)
+    assert (got - exact).abs().max() > 1e-4   # the input really was rounded
+
+
+def test_bfloat16_input_comes_back_in_bfloat16(native):
+    w = quantize(torch.randn(8, 64), FORMATS_BY_NAME["q4_1"])
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    out = native(x, w)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref.linear_packed_q8act(x, w), rtol=1e-2, atol=1e-2)
