@@ -364,3 +364,13 @@ def test_boundary_penalties_and_logprobs_accepted() -> None:
     assert p.presence_penalty == -2.0 and isinstance(p.presence_penalty, float)
     assert p.has_penalties and SamplingParams(logprobs=0).logprobs == 0
     assert not SamplingParams().has_penalties
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_token_ids_follow_argmax_with_ties_and_nan(dtype) -> None:
+    from tessellm.engine.sampler import greedy_token_ids
+    x = torch.randn(16, 5000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    x[2, 10] = x[2, 4000] = 50.0          # a tie: the lower index
+    x[7, 123] = float("nan")              # NaN wins, as in argmax
+    assert torch.equal(greedy_token_ids(x), x.argmax(dim=-1))
+    assert greedy_token_ids(x)[2] == 10 and greedy_token_ids(x)[7] == 123

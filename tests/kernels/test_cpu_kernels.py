@@ -26,6 +26,8 @@ DIMS: dict[str, list[dict[str, int]]] = {
                {"in_features": 64, "out_features": 48, "bias": 1}],
     "linear_packed": [{"in_features": 96, "out_features": 37, "bias": b, "qtype": q}
                       for q in (2, 3, 8) for b in (0, 1)],
+    "linear_packed_q8act": [{"in_features": 96, "out_features": 37, "bias": b, "qtype": q}
+                            for q in (2, 3, 8) for b in (0, 1)],
     "embedding_packed": [{"vocab": 100, "hidden": 64, "qtype": q} for q in (2, 3, 8)],
     "rms_norm": [{"hidden": 64}],
     "fused_add_rms_norm": [{"hidden": 64}],
@@ -65,7 +67,7 @@ def _cases() -> list[Any]:
     cases = []
     for k in KERNELS:
         for dims in DIMS[k.op]:
-            suffix = f"-bias{dims['bias']}" if k.op in ("linear", "linear_packed") else ""
+            suffix = f"-bias{dims['bias']}" if k.op.startswith("linear") else ""
             suffix += f"-q{dims['qtype']}" if "qtype" in dims else ""
             cases.append(pytest.param(k, tuple(sorted(dims.items())), id=f"{k.name}{suffix}"))
     return cases

@@ -15,10 +15,13 @@
  * without ever leaving a parallel region early.
  * Grouped-query attention: query head h reads KV head h / (H / NKV).
  * Math in float32 (scores, softmax, accumulation), like the reference op; bfloat16 output is
- * rounded to nearest even. Work is split over (sequence, KV head) pairs with OpenMP; each pair
- * handles its G = H / NKV query heads together so every K/V row is loaded once. The per-pair
- * body is inlined with D = 64 and D = 128 as constants so the compiler unrolls and keeps the
- * accumulators in registers; other head sizes use the same code with D at run time.
+ * rounded to nearest even. Work is split over (sequence, KV head) pairs with OpenMP, and when
+ * there are fewer pairs than twice the threads, over chunks of whole blocks of each pair's
+ * context too (merged after, as flash-decoding does); each item handles its G = H / NKV query
+ * heads together so every K/V row is loaded once, walking blocks and then rows (no division
+ * per token). The body is inlined with D = 64 and D = 128 as constants so the compiler unrolls
+ * and keeps the accumulators in registers; other head sizes use the same code with D at run
+ * time.
  */
 #include <math.h>
 #include <omp.h>
@@ -65,6 +68,80 @@ INLINE float exp_nonpos(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* Lane i of the result = the sum of the 16 lanes of v[i] (a transpose-and-add network: four
+ * shuffle stages, then one permutation into order). */
+INLINE __m512 hsum16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int j = 0; j < 8; ++j)
+        t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int k = 0; k < 4; ++k)
+        u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; ++k)
+        w[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88),
+                                   _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+INLINE __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE __m512 vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+/* exp_nonpos on 16 lanes (the same steps, vectorized). */
+INLINE __m512 exp_nonpos16(__m512 x) {
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), y);
+}
+
+/* The largest of sg[0 .. n-1] (n >= 1). */
+INLINE float max_of(const float *sg, int64_t n) {
+    __m512 m = _mm512_set1_ps(sg[0]);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sg + i));
+    }
+    return _mm512_reduce_max_ps(m);
+}
+
+/* sg[i] = exp(sg[i] - mx) for i < n; returns their sum. */
+INLINE float exp_shift_sum(float *sg, int64_t n, float mx) {
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 vm = _mm512_set1_ps(mx);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), vm));
+        _mm512_mask_storeu_ps(sg + i, k, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+#define VEC_QK 1
+#else
+#define VEC_QK 0
+#endif
+
 /* Return codes of paged_decode_*; on an error info[0] is the sequence and info[1] the
  * block-table column (or the blocks needed, for PD_ERR_TABLE_WIDTH) concerned, -1 if none. */
 enum {
@@ -103,19 +180,37 @@ static int check_inputs(const int32_t *block_tables, int64_t bt_stride, int64_t 
     return PD_OK;
 }
 
-/* One allocation holding nt per-thread scratch areas (scores [G * max_len], q and acc
- * [G * D] each, every part rounded up to a 64-byte multiple); NULL on overflow or failure. */
-static float *alloc_scratch(int64_t G, int64_t max_len, int64_t D, int nt, size_t *scores_n,
+/* Work items: (sequence, KV head, context chunk). A chunk is a run of whole blocks; a pair is
+ * split into chunks only when there are too few pairs to keep every thread busy
+ * (flash-decoding), and then each chunk leaves a partial result (max, sum of exp, unnormalized
+ * accumulator per query head) that a second pass merges. */
+typedef struct {
+    int64_t chunks;        /* chunks per pair */
+    int64_t chunk_blocks;  /* blocks per chunk */
+} Split;
+
+static Split plan_split(int64_t pairs, int64_t max_len, int64_t BS, int nt) {
+    Split sp = {1, (max_len + BS - 1) / BS};
+    const int64_t blocks = sp.chunk_blocks;
+    if (pairs >= 2 * nt || blocks < 2) return sp;
+    int64_t want = (2 * nt + pairs - 1) / pairs;       /* chunks per pair for ~2 per thread */
+    if (want > blocks) want = blocks;
+    sp.chunk_blocks = (blocks + want - 1) / want;
+    sp.chunks = (blocks + sp.chunk_blocks - 1) / sp.chunk_blocks;
+    return sp;
+}
+
+/* Per thread: scores [G * chunk_len] and q [G * D] (floats, each part a 16-float multiple). */
+static float *alloc_scratch(int64_t G, int64_t chunk_len, int64_t D, int nt, size_t *scores_n,
                             size_t *qf_n) {
     size_t s, f, per, total;
-    if (__builtin_mul_overflow((size_t)G, (size_t)max_len, &s) ||
+    if (__builtin_mul_overflow((size_t)G, (size_t)chunk_len, &s) ||
         __builtin_mul_overflow((size_t)G, (size_t)D, &f) ||
         __builtin_add_overflow(s, (size_t)15, &s) || __builtin_add_overflow(f, (size_t)15, &f))
         return NULL;
     s &= ~(size_t)15;
     f &= ~(size_t)15;
-    if (__builtin_mul_overflow(f, (size_t)2, &per) || __builtin_add_overflow(per, s, &per) ||
-        __builtin_mul_overflow(per, (size_t)nt, &total) ||
+    if (__builtin_add_overflow(f, s, &per) || __builtin_mul_overflow(per, (size_t)nt, &total) ||
         __builtin_mul_overflow(total, sizeof(float), &total))
         return NULL;
     *scores_n = s;
@@ -123,47 +218,160 @@ static float *alloc_scratch(int64_t G, int64_t max_len, int64_t D, int nt, size_
     return aligned_alloc(64, total);
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
-INLINE void NAME##_pair(const T *q, const T *kbase, const T *vbase, const int32_t *table,     \
-                        T *out, int64_t L, int64_t G, int64_t D, int64_t BS, int64_t block_stride,      \
-                        float scale, float *scores, float *qf, float *acc) {                   \
-    if (L == 0) {                                                                              \
-        for (int64_t i = 0; i < G * D; ++i) out[i] = STORE(0.f);                              \
-        return;                                                                                \
+/* The partial result of one work item: m[G], l[G], acc[G * D]. */
+INLINE size_t partial_floats(int64_t G, int64_t D) { return (size_t)(G * (D + 2)); }
+
+#if VEC_QK
+#define DEFINE_SCORES16(NAME, T, VLOAD)                                                        \
+/* scores[g * n + (t - t0)] = q_g . k_t for tokens [t0, t1), 16 rows of a block at a time. */  \
+INLINE void NAME##_scores16(const float *qf, const T *kbase, const int32_t *table, int64_t t0, \
+                            int64_t t1, int64_t G, int64_t D, int64_t BS,                      \
+                            int64_t block_stride, float *scores) {                             \
+    const int64_t n = t1 - t0;                                                                 \
+    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
+        const T *kb = kbase + (int64_t)table[b] * block_stride;                                \
+        const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {                                            \
+            const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;                                \
+            for (int64_t g = 0; g < G; ++g) {                                                  \
+                const float *qg = qf + g * D;                                                  \
+                __m512 part[16];                                                               \
+                for (int64_t r = 0; r < 16; ++r) {                                             \
+                    __m512 a = _mm512_setzero_ps();                                            \
+                    if (r < nr)                                                                \
+                        for (int64_t c = 0; c < D; c += 16)                                    \
+                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c),                       \
+                                                VLOAD(kb + (r0 + r) * D + c), a);              \
+                    part[r] = a;                                                               \
+                }                                                                              \
+                _mm512_mask_storeu_ps(scores + g * n + (t - t0) + r0,                          \
+                                      (__mmask16)((1u << nr) - 1u), hsum16(part));             \
+            }                                                                                  \
+        }                                                                                      \
+        t += rows;                                                                             \
     }                                                                                          \
+}                                                                                              \
+INLINE float NAME##_exp_sum(float *sg, int64_t n, float mx) { return exp_shift_sum(sg, n, mx); } \
+INLINE float NAME##_max(const float *sg, int64_t n) { return max_of(sg, n); }                  \
+/* acc[g * D + d] = sum over tokens of p[g][t] v_t[d], 64 features in four registers. */       \
+INLINE void NAME##_pv64(const float *scores, const T *vbase, const int32_t *table, int64_t t0, \
+                        int64_t t1, int64_t G, int64_t D, int64_t BS, int64_t block_stride,    \
+                        float *acc) {                                                          \
+    const int64_t n = t1 - t0;                                                                 \
+    for (int64_t g = 0; g < G; ++g)                                                            \
+        for (int64_t c = 0; c < D; c += 64) {                                                  \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                        \
+            for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                   \
+                const T *vb = vbase + (int64_t)table[b] * block_stride + c;                    \
+                const int64_t rows = t1 - t < BS ? t1 - t : BS;                                \
+                for (int64_t r = 0; r < rows; ++r, ++t) {                                      \
+                    const __m512 p = _mm512_set1_ps(scores[g * n + (t - t0)]);                 \
+                    const T *v = vb + r * D;                                                   \
+                    a0 = _mm512_fmadd_ps(p, VLOAD(v), a0);                                     \
+                    a1 = _mm512_fmadd_ps(p, VLOAD(v + 16), a1);                                \
+                    a2 = _mm512_fmadd_ps(p, VLOAD(v + 32), a2);                                \
+                    a3 = _mm512_fmadd_ps(p, VLOAD(v + 48), a3);                                \
+                }                                                                              \
+            }                                                                                  \
+            float *o = acc + g * D + c;                                                        \
+            _mm512_storeu_ps(o, a0);                                                           \
+            _mm512_storeu_ps(o + 16, a1);                                                      \
+            _mm512_storeu_ps(o + 32, a2);                                                      \
+            _mm512_storeu_ps(o + 48, a3);                                                      \
+        }                                                                                      \
+}
+#else
+#define DEFINE_SCORES16(NAME, T, VLOAD)                                                        \
+INLINE void NAME##_scores16(const float *qf, const T *kbase, const int32_t *table, int64_t t0, \
+                            int64_t t1, int64_t G, int64_t D, int64_t BS,                      \
+                            int64_t block_stride, float *scores) {                             \
+    (void)qf; (void)kbase; (void)table; (void)t0; (void)t1; (void)G; (void)D; (void)BS;        \
+    (void)block_stride; (void)scores;                                                          \
+}                                                                                              \
+INLINE float NAME##_exp_sum(float *sg, int64_t n, float mx) {                                  \
+    (void)sg; (void)n; (void)mx; return 0.f;                                                   \
+}                                                                                              \
+INLINE float NAME##_max(const float *sg, int64_t n) { (void)sg; (void)n; return 0.f; }        \
+INLINE void NAME##_pv64(const float *scores, const T *vbase, const int32_t *table, int64_t t0, \
+                        int64_t t1, int64_t G, int64_t D, int64_t BS, int64_t block_stride,    \
+                        float *acc) {                                                          \
+    (void)scores; (void)vbase; (void)table; (void)t0; (void)t1; (void)G; (void)D; (void)BS;    \
+    (void)block_stride; (void)acc;                                                             \
+}
+#endif
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
+/* Query heads g of one KV head over tokens [t0, t1) (whole blocks from block t0 / BS): m[g]    \
+ * the max score, l[g] the sum of exp(score - m), acc the sum of exp(score - m) * v. */          \
+INLINE void NAME##_chunk(const T *q, const T *kbase, const T *vbase, const int32_t *table,    \
+                         int64_t t0, int64_t t1, int64_t G, int64_t D, int64_t BS,              \
+                         int64_t block_stride, float scale, float *scores, float *qf,           \
+                         float *m, float *l, float *acc) {                                      \
+    const int64_t n = t1 - t0;                                                                 \
     for (int64_t g = 0; g < G; ++g)                                                            \
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]) * scale;            \
-    for (int64_t t = 0; t < L; ++t) {                                                          \
-        const T *k = kbase + (int64_t)table[t / BS] * block_stride + (t % BS) * D;                     \
-        for (int64_t g = 0; g < G; ++g) {                                                      \
-            const float *qg = qf + g * D;                                                      \
-            float s = 0.f;                                                                     \
-            _Pragma("omp simd reduction(+:s)")                                                 \
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * LOAD(k[d]);                           \
-            scores[g * L + t] = s;                                                             \
+    if (VEC_QK && D % 16 == 0)   /* 16 rows at a time, no reduction per row */                \
+        NAME##_scores16(qf, kbase, table, t0, t1, G, D, BS, block_stride, scores);             \
+    else                                                                                       \
+    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
+        const T *kb = kbase + (int64_t)table[b] * block_stride;                                \
+        const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
+        for (int64_t r = 0; r < rows; ++r, ++t) {                                              \
+            const T *k = kb + r * D;                                                           \
+            for (int64_t g = 0; g < G; ++g) {                                                  \
+                const float *qg = qf + g * D;                                                  \
+                float s = 0.f;                                                                 \
+                _Pragma("omp simd reduction(+:s)")                                             \
+                for (int64_t d = 0; d < D; ++d) s += qg[d] * LOAD(k[d]);                       \
+                scores[g * n + (t - t0)] = s;                                                  \
+            }                                                                                  \
         }                                                                                      \
     }                                                                                          \
     for (int64_t g = 0; g < G; ++g) {                                                          \
-        float *sg = scores + g * L, m = sg[0], sum = 0.f;                                      \
-        for (int64_t t = 1; t < L; ++t) m = sg[t] > m ? sg[t] : m;                             \
-        _Pragma("omp simd reduction(+:sum)")                                                   \
-        for (int64_t t = 0; t < L; ++t) { sg[t] = exp_nonpos(sg[t] - m); sum += sg[t]; }      \
-        const float inv = 1.f / sum;                                                           \
-        _Pragma("omp simd")                                                                    \
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;                                          \
+        float *sg = scores + g * n, mx = sg[0], sum = 0.f;                                     \
+        if (VEC_QK) {                                                                          \
+            mx = NAME##_max(sg, n);                                                            \
+            sum = NAME##_exp_sum(sg, n, mx);                                                   \
+        } else {                                                                               \
+            for (int64_t i = 1; i < n; ++i) mx = sg[i] > mx ? sg[i] : mx;                      \
+            for (int64_t i = 0; i < n; ++i) { sg[i] = exp_nonpos(sg[i] - mx); sum += sg[i]; } \
+        }                                                                                      \
+        m[g] = mx;                                                                             \
+        l[g] = sum;                                                                            \
+    }                                                                                          \
+    if (VEC_QK && D % 64 == 0) {  /* accumulators in registers, 64 features at a time */      \
+        NAME##_pv64(scores, vbase, table, t0, t1, G, D, BS, block_stride, acc);               \
+        return;                                                                                \
     }                                                                                          \
     memset(acc, 0, sizeof(float) * (size_t)(G * D));                                           \
-    for (int64_t t = 0; t < L; ++t) {                                                          \
-        const T *v = vbase + (int64_t)table[t / BS] * block_stride + (t % BS) * D;                     \
-        for (int64_t g = 0; g < G; ++g) {                                                      \
-            const float p = scores[g * L + t];                                                 \
-            float *ag = acc + g * D;                                                           \
-            _Pragma("omp simd")                                                                \
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * LOAD(v[d]);                           \
+    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
+        const T *vb = vbase + (int64_t)table[b] * block_stride;                                \
+        const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
+        for (int64_t r = 0; r < rows; ++r, ++t) {                                              \
+            const T *v = vb + r * D;                                                           \
+            for (int64_t g = 0; g < G; ++g) {                                                  \
+                const float p = scores[g * n + (t - t0)];                                      \
+                float *ag = acc + g * D;                                                       \
+                _Pragma("omp simd")                                                            \
+                for (int64_t d = 0; d < D; ++d) ag[d] += p * LOAD(v[d]);                       \
+            }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    for (int64_t g = 0; g < G; ++g)                                                            \
-        for (int64_t d = 0; d < D; ++d) out[g * D + d] = STORE(acc[g * D + d]);               \
+}                                                                                              \
+                                                                                               \
+INLINE void NAME##_item(const T *q, const T *kp, const T *vp, const int32_t *table, int64_t t0, \
+                        int64_t t1, int64_t G, int64_t D, int64_t BS, int64_t block_stride,     \
+                        float scale, float *scores, float *qf, float *part) {                  \
+    float *m = part, *l = part + G, *acc = part + 2 * G;                                       \
+    if (D == 64)                                                                               \
+        NAME##_chunk(q, kp, vp, table, t0, t1, G, 64, BS, block_stride, scale, scores, qf, m, \
+                     l, acc);                                                                  \
+    else if (D == 128)                                                                         \
+        NAME##_chunk(q, kp, vp, table, t0, t1, G, 128, BS, block_stride, scale, scores, qf, m, \
+                     l, acc);                                                                  \
+    else                                                                                       \
+        NAME##_chunk(q, kp, vp, table, t0, t1, G, D, BS, block_stride, scale, scores, qf, m,  \
+                     l, acc);                                                                  \
 }                                                                                              \
                                                                                                \
 int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride,             \
@@ -173,40 +381,74 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
     const int rc = check_inputs(block_tables, bt_stride, bt_cols, seq_lens, B, H, NKV, D, BS,  \
                                 NB, info, &max_len);                                           \
     if (rc != PD_OK || B == 0) return rc;                                                      \
-    const int64_t G = H / NKV, block_stride = NKV * BS * D;                                    \
+    const int64_t G = H / NKV, block_stride = NKV * BS * D, pairs = B * NKV;                   \
     const T *vbase = kv + NB * BS * NKV * D;                                                   \
-    /* scratch for every thread, taken before the parallel region: a failed allocation      \
-     * returns here, never inside the OpenMP team */                                          \
     const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;                      \
+    const Split sp = plan_split(pairs, max_len, BS, nt);                                       \
+    const int64_t chunk_len = sp.chunk_blocks * BS < max_len ? sp.chunk_blocks * BS : max_len; \
+    /* scratch for every thread and every partial result, taken before the parallel region: \
+     * a failed allocation returns here, never inside the OpenMP team */                      \
     size_t scores_n, qf_n;                                                                     \
-    float *scratch = alloc_scratch(G, max_len, D, nt, &scores_n, &qf_n);                       \
-    if (!scratch) return PD_ERR_ALLOC;                                                         \
-    const size_t per_thread = scores_n + 2 * qf_n;                                             \
+    float *scratch = alloc_scratch(G, chunk_len > 0 ? chunk_len : 1, D, nt, &scores_n, &qf_n); \
+    float *parts = malloc(sizeof(float) * partial_floats(G, D) * (size_t)(pairs * sp.chunks)); \
+    if (!scratch || !parts) { free(scratch); free(parts); return PD_ERR_ALLOC; }               \
+    const size_t per_thread = scores_n + qf_n, per_part = partial_floats(G, D);                \
     _Pragma("omp parallel num_threads(nt)")                                                    \
     {                                                                                          \
         float *scores = scratch + (size_t)omp_get_thread_num() * per_thread;                   \
-        float *qf = scores + scores_n, *acc = qf + qf_n;                                       \
-        _Pragma("omp for schedule(dynamic, 4)")                                                \
-        for (int64_t task = 0; task < B * NKV; ++task) {                                       \
-            const int64_t b = task / NKV, kvh = task % NKV;                                    \
-            const T *qp = q + (b * H + kvh * G) * D;                                           \
-            const int32_t *table = block_tables + b * bt_stride;                               \
+        float *qf = scores + scores_n;                                                         \
+        _Pragma("omp for schedule(dynamic, 1)")                                                \
+        for (int64_t item = 0; item < pairs * sp.chunks; ++item) {                             \
+            const int64_t pair = item / sp.chunks, c = item % sp.chunks;                       \
+            const int64_t b = pair / NKV, kvh = pair % NKV, L = seq_lens[b];                   \
+            const int64_t t0 = c * sp.chunk_blocks * BS;                                       \
+            const int64_t t1 = t0 + sp.chunk_blocks * BS < L ? t0 + sp.chunk_blocks * BS : L;  \
+            float *part = parts + (size_t)item * per_part;                                     \
+            if (t0 >= t1) { part[0] = -INFINITY; continue; }  /* nothing of this sequence */   \
+            NAME##_item(q + (b * H + kvh * G) * D, kv + kvh * BS * D, vbase + kvh * BS * D,    \
+                        block_tables + b * bt_stride, t0, t1, G, D, BS, block_stride, scale,   \
+                        scores, qf, part);                                                     \
+        }                                                                                      \
+        /* merge each pair's chunks (the implicit barrier above: all partials are written) */  \
+        _Pragma("omp for schedule(static)")                                                    \
+        for (int64_t pair = 0; pair < pairs; ++pair) {                                         \
+            const int64_t b = pair / NKV, kvh = pair % NKV;                                    \
             T *op = out + (b * H + kvh * G) * D;                                               \
-            const T *kp = kv + kvh * BS * D, *vp = vbase + kvh * BS * D;                       \
-            if (D == 64)                                                                       \
-                NAME##_pair(qp, kp, vp, table, op, seq_lens[b], G, 64, BS, block_stride, scale, \
-                            scores, qf, acc);                                                  \
-            else if (D == 128)                                                                 \
-                NAME##_pair(qp, kp, vp, table, op, seq_lens[b], G, 128, BS, block_stride,      \
-                            scale, scores, qf, acc);                                           \
-            else                                                                               \
-                NAME##_pair(qp, kp, vp, table, op, seq_lens[b], G, D, BS, block_stride, scale,  \
-                            scores, qf, acc);                                                  \
+            const float *first = parts + (size_t)(pair * sp.chunks) * per_part;                \
+            for (int64_t g = 0; g < G; ++g) {                                                  \
+                float mx = -INFINITY;                                                          \
+                for (int64_t c = 0; c < sp.chunks; ++c) {                                      \
+                    const float *pc = first + (size_t)c * per_part;                            \
+                    if (pc[0] != -INFINITY && pc[g] > mx) mx = pc[g];                          \
+                }                                                                              \
+                float *o = qf;   /* this thread's scratch: the merged accumulator */           \
+                float sum = 0.f;                                                               \
+                for (int64_t d = 0; d < D; ++d) o[d] = 0.f;                                    \
+                for (int64_t c = 0; c < sp.chunks && mx != -INFINITY; ++c) {                   \
+                    const float *pc = first + (size_t)c * per_part;                            \
+                    if (pc[0] == -INFINITY) continue;                                          \
+                    const float w = exp_nonpos(pc[g] - mx);                                    \
+                    sum += w * pc[G + g];                                                      \
+                    const float *ac = pc + 2 * G + g * D;                                      \
+                    _Pragma("omp simd")                                                        \
+                    for (int64_t d = 0; d < D; ++d) o[d] += w * ac[d];                         \
+                }                                                                              \
+                const float inv = sum > 0.f ? 1.f / sum : 0.f;  /* seq_len 0: zeros */         \
+                for (int64_t d = 0; d < D; ++d) op[g * D + d] = STORE(o[d] * inv);             \
+            }                                                                                  \
         }                                                                                      \
     }                                                                                          \
+    free(parts);                                                                               \
     free(scratch);                                                                             \
     return PD_OK;                                                                              \
 }
 
+#if VEC_QK
+DEFINE_SCORES16(paged_decode_f32, float, vload_f32)
+DEFINE_SCORES16(paged_decode_bf16, uint16_t, vload_bf16)
+#else
+DEFINE_SCORES16(paged_decode_f32, float, (void))
+DEFINE_SCORES16(paged_decode_bf16, uint16_t, (void))
+#endif
 DEFINE_DECODE(paged_decode_f32, float, f32_id, f32_id)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
