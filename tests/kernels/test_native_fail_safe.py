@@ -317,3 +317,14 @@ def test_concurrent_builds_in_threads_are_atomic(cache_dir: Path) -> None:
         assert b.lib.paged_decode_f32 is not None
     native = cache_dir / "native"
     assert [p.name for p in native.iterdir()] == [built[0].path.name]
+
+
+def test_a_header_beside_the_source_is_part_of_the_cache_key(tmp_path) -> None:
+    """Kernels include native/vec_math.h: editing it must rebuild them, not load a stale
+    object."""
+    src = tmp_path / "k.c"
+    src.write_text('#include "m.h"\nint f(void) { return M; }\n')
+    (tmp_path / "m.h").write_text("#define M 1\n")
+    before = native_build.library_key(src)
+    (tmp_path / "m.h").write_text("#define M 2\n")
+    assert native_build.library_key(src) != before

@@ -87,7 +87,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     from tessellm_cpu.native_linear import NativePackedLinear
     from tessellm_cpu.native_linear_q8act import NativeQ8ActLinear
     from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
-                                               NativeWriteKV)
+                                               NativeSiluAndMul, NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
              ("linear_packed", "linear_packed_native", NativePackedLinear,
               "C, reads Q8_0/Q4_0/Q4_1 blocks in place"),
@@ -97,7 +97,9 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
              ("write_kv_cache", "write_kv_native", NativeWriteKV, "C, row copies; slot -1 skipped"),
              ("rms_norm", "rms_norm_native", NativeRmsNorm, "C, one pass per row"),
              ("fused_add_rms_norm", "fused_add_rms_norm_native", NativeFusedAddRmsNorm,
-              "C, add and norm in one pass per row"))
+              "C, add and norm in one pass per row"),
+             ("silu_and_mul", "silu_and_mul_native", NativeSiluAndMul,
+              "C, one pass per row"))
     out = []
     for op, name, build, description in specs:
         try:

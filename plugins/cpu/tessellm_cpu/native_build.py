@@ -126,8 +126,8 @@ def _cache_dir() -> Path:
 
 
 def library_key(source: Path, cc: str | None = None) -> str:
-    """The hash a build of `source` is cached under: source text, flags, compiler version,
-    CPU feature flags."""
+    """The hash a build of `source` is cached under: source text and the headers of its
+    directory, flags, compiler version, CPU feature flags."""
     cc = cc or _compiler()
     try:
         version = _run([cc, "--version"], VERSION_TIMEOUT_S).stdout
@@ -136,8 +136,9 @@ def library_key(source: Path, cc: str | None = None) -> str:
                                f"{VERSION_TIMEOUT_S:g} s") from e
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeBuildError(f"cannot run the C compiler {cc!r}: {e}") from e
-    try:
-        text = source.read_text()
+    try:   # the source and the headers beside it (a source may include any of them)
+        text = "\n".join([source.read_text()] + [h.read_text()
+                                                 for h in sorted(source.parent.glob("*.h"))])
     except OSError as e:
         raise NativeBuildError(f"cannot read the kernel source {source}: {e}") from e
     data = "\n".join([text, " ".join(FLAGS), version, _cpu_flags()]).encode()

@@ -148,3 +148,29 @@ class NativeFusedAddRmsNorm(NativeRmsNorm):
 
     def __call__(self, x, residual, weight, eps):
         return self._run(x, residual, weight, eps)
+
+
+class NativeSiluAndMul(_Native):
+    """silu_and_mul(x): silu(x[..., :F]) * x[..., F:], with the reference's rounding points."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fns = {}
+        for dtype, name in ((torch.float32, "silu_and_mul_f32"),
+                            (torch.bfloat16, "silu_and_mul_bf16")):
+            fn = entry_point(self._lib, name)
+            fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+
+    def __call__(self, x):
+        fn = self._fns.get(x.dtype)
+        if fn is None:
+            raise TypeError(f"native silu_and_mul supports float32/bfloat16, got {x.dtype}")
+        x2 = _last_dim_rows(x)
+        if x2.shape[1] % 2:
+            raise ValueError(f"native silu_and_mul needs an even last dim, got {tuple(x.shape)}")
+        f = x2.shape[1] // 2
+        out = torch.empty((x2.shape[0], f), dtype=x.dtype)
+        _check(fn(x2.data_ptr(), x2.stride(0), x2.shape[0], f, out.data_ptr()), "silu_and_mul")
+        return out.view(*x.shape[:-1], f)

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float bf16_to_f32(uint16_t x) {
@@ -47,26 +49,6 @@ INLINE uint16_t f32_to_bf16(float f) {
 }
 
 INLINE float f32_id(float x) { return x; }
-
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel err| < 2e-7;
- * written without branches or calls so that it vectorizes. Inputs below -87 give 0. */
-INLINE float exp_nonpos(float x) {
-    const float log2e = 1.44269504088896341f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float xc = x < -87.f ? -87.f : x;
-    float n = __builtin_floorf(xc * log2e + 0.5f);
-    float r = xc - n * ln2_hi - n * ln2_lo;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < -87.f ? 0.f : p * scale;
-}
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -94,27 +76,6 @@ INLINE __m512 vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-/* exp_nonpos on 16 lanes (the same steps, vectorized). */
-INLINE __m512 exp_nonpos16(__m512 x) {
-    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ), y);
-}
-
 /* The largest of sg[0 .. n-1] (n >= 1). */
 INLINE float max_of(const float *sg, int64_t n) {
     __m512 m = _mm512_set1_ps(sg[0]);

@@ -7,6 +7,7 @@
  *   first, as the reference does, then the math runs in float32 and rounds once.
  * rms_norm_*: y = weight * round(x * rsqrt(mean(x^2) + eps)) per row of H, optionally after
  *   x = round(x + residual) (written to `summed`): the reference's rounding points.
+ * silu_and_mul_*: silu of the first half of each row times the second half (below).
  * write_kv_*: each token's K and V rows [HK * D] (rows of any stride) to its slot of a
  *   contiguous cache [2, NB, HK, BS, D]; slot < 0 is a padding token (skipped).
  *
@@ -16,6 +17,9 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <omp.h>
+
+#include "vec_math.h"
 
 enum { RK_OK = 0, RK_ERR_POSITION = 1, RK_ERR_SLOT = 2, RK_ERR_SHAPE = 3 };
 
@@ -26,14 +30,17 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* Round to nearest even; NaN stays NaN (quieted). Branch-free, so loops over it vectorize. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu))  /* NaN stays NaN */
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t is_nan = ((u & 0x7f800000u) == 0x7f800000u) & ((u & 0x7fffffu) != 0u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(is_nan ? ((u >> 16) | 0x40u) : rounded);
 }
+
+/* Rows of work below this many elements run on one thread (a team costs more than them). */
+#define PARALLEL_MIN 16384
 
 static int check_positions(const int64_t *pos, int64_t T, int64_t P) {
     for (int64_t t = 0; t < T; t++)
@@ -48,6 +55,7 @@ int NAME(const int64_t *pos, int64_t T, const TYPE *q, int64_t q_stride, int64_t
     if (D <= 0 || D % 2) return RK_ERR_SHAPE;                                                 \
     if (check_positions(pos, T, P)) return RK_ERR_POSITION;                                   \
     const int64_t half = D / 2;                                                               \
+    _Pragma("omp parallel for schedule(static) if (T * (HQ + HK) * D >= PARALLEL_MIN)")       \
     for (int64_t t = 0; t < T; t++) {                                                         \
         const float *cs = cos_sin + pos[t] * D;                                               \
         for (int which = 0; which < 2; which++) {                                             \
@@ -57,6 +65,7 @@ int NAME(const int64_t *pos, int64_t T, const TYPE *q, int64_t q_stride, int64_t
             for (int64_t h = 0; h < heads; h++) {                                             \
                 const TYPE *x = src + h * D;                                                  \
                 TYPE *y = dst + h * D;                                                        \
+                _Pragma("omp simd")                                                           \
                 for (int64_t j = 0; j < half; j++) {                                          \
                     const float c = ROUND(cs[j]), s = ROUND(cs[half + j]);                    \
                     const float x1 = LOAD(x[j]), x2 = LOAD(x[half + j]);                      \
@@ -99,18 +108,27 @@ int write_kv(const uint8_t *k, int64_t k_stride, const uint8_t *v, int64_t v_str
 int NAME(const TYPE *x, int64_t x_stride, const TYPE *res, int64_t res_stride,              \
          const TYPE *w, int64_t T, int64_t H, float eps, TYPE *out, TYPE *summed) {          \
     if (H <= 0) return RK_ERR_SHAPE;                                                         \
+    _Pragma("omp parallel for schedule(static) if (T * H >= PARALLEL_MIN)")                  \
     for (int64_t t = 0; t < T; t++) {                                                        \
         const TYPE *xr = x + t * x_stride;                                                   \
         TYPE *sr = summed ? summed + t * H : 0;                                              \
         float ss = 0.f;                                                                      \
-        for (int64_t j = 0; j < H; j++) {                                                    \
-            float v = LOAD(xr[j]);                                                           \
-            if (res) { v = ROUND(v + LOAD(res[t * res_stride + j])); sr[j] = STORE(v); }     \
-            ss += v * v;                                                                     \
+        if (res) {                                                                           \
+            const TYPE *rr = res + t * res_stride;                                           \
+            _Pragma("omp simd reduction(+:ss)")                                              \
+            for (int64_t j = 0; j < H; j++) {                                                \
+                const float v = ROUND(LOAD(xr[j]) + LOAD(rr[j]));                            \
+                sr[j] = STORE(v);                                                            \
+                ss += v * v;                                                                 \
+            }                                                                                \
+        } else {                                                                             \
+            _Pragma("omp simd reduction(+:ss)")                                              \
+            for (int64_t j = 0; j < H; j++) { const float v = LOAD(xr[j]); ss += v * v; }    \
         }                                                                                    \
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);                                 \
         TYPE *o = out + t * H;                                                               \
         const TYPE *src = res ? sr : xr;                                                     \
+        _Pragma("omp simd")                                                                  \
         for (int64_t j = 0; j < H; j++)                                                      \
             o[j] = STORE(LOAD(w[j]) * ROUND(LOAD(src[j]) * inv));                            \
     }                                                                                        \
@@ -119,3 +137,62 @@ int NAME(const TYPE *x, int64_t x_stride, const TYPE *res, int64_t res_stride,  
 
 RMS_NORM(rms_norm_f32, float, ID, ID, ID)
 RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
+
+/* silu_and_mul_*: y[t, j] = round(silu(x[t, j])) * x[t, F + j] for rows of 2F (rows of any
+ * stride), rounded once more: the reference's two rounding points (silu in float32 math). */
+#ifdef __AVX512F__
+static inline __m512 vload_f32(const float *p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+static inline __m512 vload_bf16(const uint16_t *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+static inline void vstore_f32(float *p, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(p, k, v); }
+/* round to nearest even on 16 lanes, NaN quieted (f32_to_bf16's rule) */
+static inline __m256i bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(
+        u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                         _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, q));
+}
+static inline void vstore_bf16(uint16_t *p, __mmask16 k, __m512 v) {
+    _mm256_mask_storeu_epi16(p, k, bf16_bits16(v));
+}
+static inline __m512 vround_f32(__m512 v) { return v; }
+static inline __m512 vround_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits16(v)), 16));
+}
+#define SILU_BODY(VLOAD, VSTORE, VROUND)                                                     \
+        for (int64_t j = 0; j < F; j += 16) {                                                \
+            const __mmask16 k = F - j >= 16 ? (__mmask16)0xffff                               \
+                                            : (__mmask16)((1u << (F - j)) - 1u);             \
+            const __m512 s = VROUND(silu16(VLOAD(a + j, k)));                                \
+            VSTORE(y + j, k, VROUND(_mm512_mul_ps(s, VLOAD(b + j, k))));                     \
+        }
+#define SILU_VEC(SUFFIX) SILU_BODY(vload_##SUFFIX, vstore_##SUFFIX, vround_##SUFFIX)
+#else
+#define SILU_VEC(SUFFIX)                                                                     \
+        for (int64_t j = 0; j < F; j++) {                                                    \
+            const float v = LOAD(a[j]);                                                      \
+            const float e = exp_nonpos(v < 0.f ? v : -v);   /* exp(-|v|) */                  \
+            const float sig = v < 0.f ? e / (1.f + e) : 1.f / (1.f + e);                     \
+            y[j] = STORE(ROUND(v * sig) * LOAD(b[j]));                                       \
+        }
+#endif
+
+#define SILU_AND_MUL(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                 \
+int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t F, TYPE *out) {                \
+    if (F <= 0) return RK_ERR_SHAPE;                                                         \
+    _Pragma("omp parallel for schedule(static) if (T * F >= PARALLEL_MIN)")                  \
+    for (int64_t t = 0; t < T; t++) {                                                        \
+        const TYPE *a = x + t * x_stride, *b = a + F;                                        \
+        TYPE *y = out + t * F;                                                               \
+        SILU_VEC(SUFFIX)                                                                     \
+    }                                                                                        \
+    return RK_OK;                                                                            \
+}
+
+SILU_AND_MUL(silu_and_mul_f32, float, ID, ID, ID, f32)
+SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
