@@ -51,3 +51,21 @@ def test_a_plugins_communicator_is_used_and_timed():
 def test_a_backend_torch_cannot_run_without_a_communicator_is_refused():
     with pytest.raises(ConfigError, match="distributed backend 'xla'.*no communicator"):
         _group().connect_device(NoCollectives())
+
+
+def test_the_engine_refuses_such_a_device_before_starting_any_worker(stories_dir, monkeypatch):
+    """tensor_parallel_size=2 on a device with backend 'xla' and no communicator: the error
+    comes from the builder, before a worker process or a process group exists."""
+    from tessellm import LLM
+    from tessellm.parallel import launch
+    import torch.distributed as dist
+
+    def no_workers(*a, **k):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(launch.LocalWorkers, "spawn", no_workers)
+    monkeypatch.setattr("tessellm_sim.device.SimDevice.distributed_backend", "xla")
+    with pytest.raises(ConfigError, match="distributed backend 'xla'"):
+        LLM(str(stories_dir), device="sim", dtype="float32", tensor_parallel_size=2,
+            load_progress=False)
+    assert not dist.is_initialized()

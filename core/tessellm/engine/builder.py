@@ -35,7 +35,7 @@ from tessellm.models.source import ModelSource, resolve_model_source
 from tessellm.models.spec import ModelSpec
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
-from tessellm.parallel.group import ParallelGroup
+from tessellm.parallel.group import ParallelGroup, require_torch_backend
 from tessellm.parallel.launch import start_group
 from tessellm.plugins import PluginManager
 
@@ -188,6 +188,8 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
         check_shardable(resolve_architecture(hf_config, plugins.architectures()).spec(hf_config),
                         world)
     if parallel is None and world > 1:
+        if type(device).communicator is DevicePlugin.communicator:   # before any worker starts
+            require_torch_backend(device)
         parallel = start_group(config)
         try:
             return _build(config, plugins, extra_passes, device, source, hf_config, parallel)

@@ -123,12 +123,9 @@ class ParallelGroup:
         """The compute group on `device` (every rank calls this once, after WorkerInit)."""
         comm = device.communicator(self.rank, self.world_size, self.timeout_s)
         if comm is None:
-            backend = device.distributed_backend
-            if backend not in ("gloo", "nccl", "mpi", "ucc") or not dist.is_backend_available(backend):
-                raise ConfigError(f"device {device.name!r} names distributed backend {backend!r}, "
-                                  "which torch.distributed here cannot run and the plugin "
-                                  "supplies no communicator of its own")
-            group = dist.new_group(backend=backend, timeout=timedelta(seconds=self.timeout_s))
+            require_torch_backend(device)
+            group = dist.new_group(backend=device.distributed_backend,
+                                   timeout=timedelta(seconds=self.timeout_s))
             comm = TorchCommunicator(group, self.rank, self.world_size)
         self.comm = TimedCommunicator(comm, self.stats)
         return self.comm
@@ -164,6 +161,16 @@ class ParallelGroup:
                 self.workers.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def require_torch_backend(device: DevicePlugin) -> None:
+    """ConfigError unless torch.distributed here can run the device's backend (for a device
+    that brings no Communicator of its own)."""
+    backend = device.distributed_backend
+    if backend not in ("gloo", "nccl", "mpi", "ucc") or not dist.is_backend_available(backend):
+        raise ConfigError(f"device {device.name!r} names distributed backend {backend!r}, "
+                          "which torch.distributed here cannot run and the plugin supplies "
+                          "no communicator of its own")
 
 
 def launcher_environment() -> tuple[int, int] | None:
