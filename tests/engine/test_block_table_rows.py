@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tessellm.engine.model_runner import BlockTableRows
+from tessellm.engine.block_table_rows import BlockTableRows
 
 
 def test_rows_follow_appends_and_new_lists() -> None:

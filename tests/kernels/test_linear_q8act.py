@@ -30,7 +30,7 @@ def test_q8_blocks_round_half_even_with_the_block_max_at_127():
 @pytest.fixture(scope="module")
 def native():
     try:
-        from tessellm_cpu.native_linear_q8act import NativeQ8ActLinear
+        from tessellm_cpu.native_linear import NativeQ8ActLinear
         return NativeQ8ActLinear()
     except Exception as e:   # no VNNI or no compiler: the kernel is not offered there
         pytest.skip(f"native q8act kernel unavailable here: {e}")

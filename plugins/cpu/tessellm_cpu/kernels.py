@@ -84,8 +84,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     says why, and so does `not_offered` (kernel name -> reason), which the CPU device reports
     to `tessellm plugins`. Nothing here stops the device or its other kernels."""
     from tessellm_cpu.native_attention import NativeDecode
-    from tessellm_cpu.native_linear import NativePackedLinear
-    from tessellm_cpu.native_linear_q8act import NativeQ8ActLinear
+    from tessellm_cpu.native_linear import NativePackedLinear, NativeQ8ActLinear
     from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
                                                NativeSiluAndMul, NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),

@@ -1,5 +1,9 @@
-"""Linear over packed GGML weights (Q8_0, Q4_0, Q4_1) as a C kernel (native/linear_packed.c),
-called through ctypes: the packed rows are read in place, activations in float32."""
+"""Linears over packed GGML weights (Q8_0, Q4_0, Q4_1) as C kernels called through ctypes:
+the packed rows are read in place, activations in float32. Both kernels share one C
+signature, so one wrapper serves them:
+- `NativePackedLinear` (native/linear_packed.c, op linear_packed): float32 dot products;
+- `NativeQ8ActLinear` (native/linear_q8act.c, op linear_packed_q8act): each 32-value input
+  block rounded to int8 first, then AVX-512 VNNI integer dot products."""
 from __future__ import annotations
 
 import ctypes
@@ -10,46 +14,63 @@ import torch
 from tessellm.plugin_api import KernelQuery, PackedWeight
 from tessellm_cpu.native_build import build_library, entry_point
 
-SOURCE = Path(__file__).with_name("native") / "linear_packed.c"
+NATIVE = Path(__file__).with_name("native")
 SUPPORTED_TYPES = frozenset({2, 3, 8})  # GGML Q4_0, Q4_1, Q8_0
-# Rows of x per call it is offered for: it decodes each block once per tile of 8 rows in
-# float32 FMAs, so past a few hundred rows dequantize-then-GEMM (oneDNN) wins by far
-# (measured with SmolLM2's shapes: even at 128 rows, 2.3 ms against 2.0-2.8 ms).
-MAX_TOKENS = 256
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-class NativePackedLinear:
+class _PackedLinearC:
+    """`entry`(x, M, K, w, N, qtype, bias, out) -> 0, 1 (bad format or K), 2 (no memory)
+    of the C file `source`, offered up to `max_tokens` rows of x (None: any)."""
+
+    source: Path
+    entry: str
+    max_tokens: int | None = None
+
     def __init__(self) -> None:
-        native = build_library(SOURCE)
+        native = build_library(self.source)
         self.code_hash = native.key   # the built code, for the profiler's cache
-        self._fn = entry_point(native, "linear_packed_f32")
+        self._fn = entry_point(native, self.entry)
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, ctypes.c_int, _ptr, _ptr]
         self._fn.restype = ctypes.c_int
 
-    @staticmethod
-    def supports(query: KernelQuery) -> bool:
+    def supports(self, query: KernelQuery) -> bool:
         return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and query.dim("qtype") in SUPPORTED_TYPES and query.num_tokens <= MAX_TOKENS)
+                and query.dim("qtype") in SUPPORTED_TYPES
+                and (self.max_tokens is None or query.num_tokens <= self.max_tokens))
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        what = f"native {self.entry}"
         if weight.format.ggml_type not in SUPPORTED_TYPES:
-            raise TypeError(f"native packed linear does not read {weight.format.name}")
+            raise TypeError(f"{what} does not read {weight.format.name}")
         data = weight.data
         if data.device.type != "cpu" or not data.is_contiguous():
-            raise ValueError("native packed linear needs contiguous packed rows on the CPU")
-        xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+            raise ValueError(f"{what} needs contiguous packed rows on the CPU")
         n, k = weight.shape
-        if xf.shape[-1] != k:
-            raise ValueError(f"x has {xf.shape[-1]} features, the weight expects {k}")
+        xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+        if xf.dim() != 2 or xf.shape[-1] != k:
+            raise ValueError(f"{what}: x of shape {tuple(x.shape)} (rows of features), the "
+                             f"weight expects {k} features")
         bf = None if bias is None else bias.float().contiguous()
         out = torch.empty((xf.shape[0], n), dtype=torch.float32)
         rc = self._fn(xf.data_ptr(), xf.shape[0], k, data.data_ptr(), n,
                       weight.format.ggml_type, 0 if bf is None else bf.data_ptr(),
                       out.data_ptr())
         if rc == 2:
-            raise MemoryError("native packed linear could not allocate its scratch buffer")
+            raise MemoryError(f"{what} could not allocate its scratch buffer")
         if rc != 0:
-            raise ValueError(f"native packed linear refused {weight.format.name} with K={k}")
+            raise ValueError(f"{what} refused {weight.format.name} with K={k}")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+class NativePackedLinear(_PackedLinearC):
+    source, entry = NATIVE / "linear_packed.c", "linear_packed_f32"
+    # It decodes each block once per tile of 8 rows in float32 FMAs, so past a few hundred
+    # rows dequantize-then-GEMM (oneDNN) wins by far (measured with SmolLM2's shapes: even at
+    # 128 rows, 2.3 ms against 2.0-2.8 ms).
+    max_tokens = 256
+
+
+class NativeQ8ActLinear(_PackedLinearC):
+    source, entry = NATIVE / "linear_q8act.c", "linear_q8act_f32"
