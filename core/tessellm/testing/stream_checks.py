@@ -10,10 +10,12 @@ event answers.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from tessellm.device import DevicePlugin, Event
+from tessellm.device import DevicePlugin, Event, TransferStream
 from tessellm.testing.kernel_checks import CheckFailed
 
 NUMEL = 1 << 18                 # float32 elements per copy: 1 MiB
@@ -51,14 +53,24 @@ def _event(e: object, what: str) -> Event:
     return e
 
 
+@contextmanager
+def _one_copy(device: DevicePlugin, seed: int, tag: str
+              ) -> Iterator[tuple[TransferStream, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(stream, host source, sentinel-filled device destination, the data), the destination
+    freed afterwards."""
+    want = _data(seed)
+    src = _host_buffer(device, want)
+    dst = _device_buffer(device, tag)
+    try:
+        yield device.new_stream(), src, dst, want
+    finally:
+        device.allocator().free(dst)
+
+
 def check_copy_event(device: DevicePlugin) -> str:
     """host -> device and back: each destination equals its source right after event.wait(),
     and the event's query() is True then."""
-    stream, alloc = device.new_stream(), device.allocator()
-    want = _data(1)
-    src = _host_buffer(device, want)
-    dst = _device_buffer(device, "conformance_stream")
-    try:
+    with _one_copy(device, 1, "conformance_stream") as (stream, src, dst, want):
         ev = _event(stream.copy(dst, src), "copy()")
         ev.wait()
         _landed("host -> device after wait()", dst, want)
@@ -68,8 +80,6 @@ def check_copy_event(device: DevicePlugin) -> str:
         back.fill_(SENTINEL)
         _event(stream.copy(back, dst), "copy()").wait()
         _landed("device -> host after wait()", back, want)
-    finally:
-        alloc.free(dst)
     return "host->device and device->host copies complete at their events"
 
 
@@ -95,11 +105,7 @@ def check_record_event(device: DevicePlugin) -> str:
 
 def check_query(device: DevicePlugin) -> str:
     """Polling query() until True (never wait()) must also mean the data is there."""
-    stream, alloc = device.new_stream(), device.allocator()
-    want = _data(20)
-    src = _host_buffer(device, want)
-    dst = _device_buffer(device, "conformance_query")
-    try:
+    with _one_copy(device, 20, "conformance_query") as (stream, src, dst, want):
         ev = _event(stream.copy(dst, src), "copy()")
         deadline = time.monotonic() + QUERY_TIMEOUT_S
         while not ev.query():
@@ -107,38 +113,24 @@ def check_query(device: DevicePlugin) -> str:
                 raise CheckFailed(f"query() still False after {QUERY_TIMEOUT_S:.0f} s")
             time.sleep(0.001)
         _landed("once query() is True", dst, want)
-    finally:
-        alloc.free(dst)
     return "query() turns True only once the data is there"
 
 
 def check_synchronize(device: DevicePlugin) -> str:
     """device.synchronize() drains every stream of the device."""
-    stream, alloc = device.new_stream(), device.allocator()
-    want = _data(30)
-    src = _host_buffer(device, want)
-    dst = _device_buffer(device, "conformance_sync")
-    try:
+    with _one_copy(device, 30, "conformance_sync") as (stream, src, dst, want):
         ev = _event(stream.copy(dst, src), "copy()")
         device.synchronize()
         if not ev.query():
             raise CheckFailed("a copy's event is incomplete after device.synchronize()")
         _landed("after device.synchronize()", dst, want)
-    finally:
-        alloc.free(dst)
     return "synchronize() waits for copies in flight"
 
 
 def check_wait_on_compute(device: DevicePlugin) -> str:
     """After wait_on_compute(event), device work reads the copied data (the engine's order)."""
-    stream, alloc = device.new_stream(), device.allocator()
-    want = _data(40)
-    src = _host_buffer(device, want)
-    dst = _device_buffer(device, "conformance_compute")
-    try:
+    with _one_copy(device, 40, "conformance_compute") as (stream, src, dst, want):
         device.wait_on_compute(_event(stream.copy(dst, src), "copy()"))
         doubled = dst * 2          # device compute ordered after the copy
         _landed("compute after wait_on_compute()", doubled / 2, want)
-    finally:
-        alloc.free(dst)
     return "compute ordered after wait_on_compute(event) sees the data"
