@@ -16,12 +16,10 @@ from tessellm.quant.formats import FORMATS_BY_NAME, quantize
 
 def test_q8_blocks_round_half_even_with_the_block_max_at_127():
     x = torch.zeros(2, 32)
-    x[0, 0], x[0, 1], x[0, 2] = 12.7, 0.05, -0.15   # d = 0.1: 0.5 -> 0, -1.5 -> -2
+    x[0, :6] = torch.tensor([127.0, 0.5, 1.5, 2.5, -1.5, -0.4])   # d = 127 / 127 = 1
     out = ref.quantize_q8_blocks(x)
-    d = torch.tensor(12.7) / 127
-    assert out[0, 0] == torch.round(x[0, 0] / d) * d
-    assert out[0, 1] == torch.round(torch.tensor(0.05) / d) * d
-    assert (out[1] == 0).all()                       # an all-zero block stays zero
+    assert out[0, :6].tolist() == [127.0, 0.0, 2.0, 2.0, -2.0, -0.0]   # halves to even
+    assert (out[1] == 0).all()                                        # all-zero block stays 0
     q = ref.quantize_q8_blocks(torch.randn(4, 64)).unflatten(-1, (-1, 32))
     steps = q / (q.abs().amax(-1, keepdim=True) / 127)
     assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() <= 127.001
