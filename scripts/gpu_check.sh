@@ -5,7 +5,7 @@
 # Prints one JSON line per figure to $OUT/figures.jsonl and logs to $OUT/log.txt:
 # device conformance on cuda, stories260K against its reference, the HF parity matrix
 # (fp32 and bf16), the profiler's kernel table on cuda, W1 on the bench model (110m) and on the
-# 1B shape with CUDA graphs on and off.
+# 1B shape with CUDA graphs on and off, and with graphs but without async scheduling.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu_check_out}"
@@ -47,8 +47,10 @@ mkdir -p /tmp/models
 $PY .gpu_assets/bench/make_bench_model.py /tmp/models/bench110m --shape 110m >/dev/null 2>&1
 $PY .gpu_assets/bench/make_bench_model.py /tmp/models/bench1b --shape 1b >/dev/null 2>&1
 for model in bench110m bench1b; do
-  for mode in graphs eager; do
-    extra=(); [ "$mode" = eager ] && extra=(--enforce-eager)
+  for mode in graphs eager graphs_sync; do   # graphs_sync: without async scheduling
+    extra=()
+    [ "$mode" = eager ] && extra=(--enforce-eager)
+    [ "$mode" = graphs_sync ] && extra=(--no-async-scheduling)
     figure "w1_${model}_${mode}" $PY -m tessellm.cli.main bench throughput \
       --model "/tmp/models/$model" --device cuda --dtype bfloat16 --max-num-seqs 64 \
       --runs 3 "${extra[@]}"

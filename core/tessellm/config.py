@@ -49,6 +49,11 @@ class EngineConfig(BaseModel):
     # Devices that capture decode steps as graphs (cuda: CUDA graphs per batch-size bucket):
     # True runs every step eagerly.
     enforce_eager: bool = False
+    async_scheduling: bool | None = Field(
+        None, description="schedule and launch step N+1 while the device runs step N (its "
+        "sampled ids feed the next step on the device); None: on where the device runs "
+        "asynchronously (cuda), off on cpu, where it would only report each token one step "
+        "later; not supported with tensor parallelism or static-shape devices (xla)")
     kernel_selection: Literal["profile", "first"] | dict[str, str] = "profile"
     graph_passes: Literal["default", "none"] = "default"
     cache_dir: str | None = Field(None, description="profile cache and demo model; default "
@@ -91,6 +96,9 @@ class EngineConfig(BaseModel):
             raise ValueError("give num_kv_blocks or kv_cache_bytes, not both")
         if self.num_host_kv_blocks is not None and self.swap_space_bytes is not None:
             raise ValueError("give num_host_kv_blocks or swap_space_bytes, not both")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1: "
+                             "the workers replay host-staged token ids")
         if self.sla_min_num_seqs > self.max_num_seqs:
             raise ValueError(f"sla_min_num_seqs ({self.sla_min_num_seqs}) exceeds max_num_seqs "
                              f"({self.max_num_seqs})")

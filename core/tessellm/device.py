@@ -250,6 +250,10 @@ class DevicePlugin(ABC):
     priority: int = 0
     distributed_backend: str = "gloo"
     version: str = "0"
+    # Whether kernels run asynchronously to the host (a launch only enqueues; cuda). Such a
+    # device gets async scheduling by default: the host prepares step N+1 while it runs
+    # step N (API 1.4).
+    asynchronous: bool = False
 
     @abstractmethod
     def is_available(self) -> Availability: ...

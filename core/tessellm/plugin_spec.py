@@ -34,7 +34,8 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # ModelGraph, GraphBuilder, graph_ops, GraphPass, linear_call, linear_dims);
 # TESSELLM_OVERRIDE_ARCHITECTURES; name clashes are refused instead of first-wins only;
 # tensor parallelism's Communicator and the optional DevicePlugin.communicator hook.
-API_VERSION = "1.3"
+# 1.4 (additive): DevicePlugin.asynchronous (the default for async scheduling).
+API_VERSION = "1.4"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -3,6 +3,12 @@
 There is no prefill phase: a request is `num_computed_tokens` out of `num_tokens` (prompt plus
 generated). Each step the scheduler grants it some of the missing tokens; when the computed count
 reaches `num_tokens`, that step also samples one new token.
+
+Pending tokens (async scheduling, tessellm.engine.llm_engine): a token sampled on the device
+but not read back yet counts in `num_tokens` (so the next step can already compute it: its
+input id is taken from the device) but is not in `output_token_ids`; `append_output` resolves
+the oldest pending token. Everything that reads ids (stop checks, deltas, penalties, prefix
+hashes) therefore only ever sees real tokens.
 """
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessellm.sampling_params import SamplingParams
+
+
+# what a pending token's id reads as on the host; the runner feeds the real id on the device
+PENDING_TOKEN_ID = 0
 
 
 class RequestStatus(enum.Enum):
@@ -29,7 +39,8 @@ class FinishReason(str, enum.Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     """Invariant: 0 <= num_computed_tokens <= num_tokens; output ids only grow (recompute
-    preemption resets num_computed_tokens to 0 but keeps the generated ids)."""
+    preemption resets num_computed_tokens to 0 but keeps the generated ids); num_pending
+    tokens follow the output ids (positions num_known_tokens .. num_tokens - 1)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -44,10 +55,23 @@ class Request:
     num_preemptions: int = 0
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share KV blocks
     priority: int = 0  # scheduling class: lower runs first (0 most urgent); see tessellm.scheduler
+    num_pending: int = 0  # sampled on the device, not read back yet (async scheduling)
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus output tokens whose ids the host has (num_tokens minus pending)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def finishes_by_length_when_resolved(self, max_model_len: int) -> bool:
+        """Whether the pending tokens already reach max_tokens or max_model_len, so the
+        request is finished (LENGTH) once they are read back, whatever their ids."""
+        return self.num_pending > 0 and (
+            len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
+            or self.num_tokens >= max_model_len)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -58,7 +82,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
-        """Token ids in [start, stop) of prompt + output, without building the whole list."""
+        """Token ids in [start, stop) of prompt + output, without building the whole list;
+        a pending token (not read back yet) reads as PENDING_TOKEN_ID."""
+        known = self.num_known_tokens
+        if stop > known:
+            head = self.token_ids_slice(start, known) if start < known else []
+            return head + [PENDING_TOKEN_ID] * (stop - max(start, known))
         n_prompt = len(self.prompt_token_ids)
         if stop <= n_prompt:
             return self.prompt_token_ids[start:stop]
@@ -71,7 +100,10 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output(self, token_id: int) -> None:
-        """Append a sampled token and decide whether the request is finished."""
+        """Append a sampled token (resolving the oldest pending one, if any) and decide
+        whether the request is finished."""
+        if self.num_pending:
+            self.num_pending -= 1
         self.output_token_ids.append(token_id)
         p = self.params
         if token_id in p.stop_token_ids or (

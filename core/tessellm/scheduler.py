@@ -44,6 +44,13 @@ Invariants:
 schedule() and update_from_output() alternate: the computed counts move only in the latter,
 except that admission sets a request's count to its prefix-cache hit. update_from_output()
 enters newly computed full blocks into the prefix cache (their KV is written by then).
+update_from_output() is commit() then complete(); async scheduling (tessellm.engine.llm_engine)
+calls them apart: commit() when the step is on the device (computed counts move, and every
+request that completes in it holds one pending token, so the next schedule() can already
+grant its next decode), complete() once the sampled ids are read back (tokens appended, stops
+and lengths decided, blocks cached), after the next step was scheduled and launched. Between
+the two, a request of the step may have been preempted (it is waiting then) or finished
+(complete() skips it: its token is dropped).
 Prefix-cache counters (`prefix_cache_queries`, `prefix_cache_hits`, in tokens, and
 `prefix_cache_hit_rate`) count admissions; see tessellm.cache.prefix_cache.PrefixCacheStats.
 
@@ -181,24 +188,72 @@ class Scheduler:
         Raises SchedulerError, changing nothing, when `sampled` does not match the output.
         """
         self._check_output(output, sampled)
-        finished: list[Request] = []
-        max_model_len = self.config.max_model_len
+        self._commit(output)
+        return self._complete(output, sampled)
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """The step is on the device: move its computed counts; each request that completes
+        in it holds a pending token until complete(). Raises SchedulerError, changing
+        nothing, when a scheduled request is not running or the output was committed."""
+        for s in output.scheduled:
+            self._check_running(s)
+        self._commit(output)
+
+    def complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The committed step's sampled ids arrived: one for each id in output.sampling
+        (entries for requests finished since are ignored). Appends them, decides stops and
+        lengths, caches the newly computed full blocks; returns the requests that finished
+        (blocks freed). Raises SchedulerError, changing nothing, on a mismatch."""
+        expected = set(output.sampling)
+        extra = sampled.keys() - expected
+        if extra:
+            raise SchedulerError(f"sampled tokens for requests that do not sample in this "
+                                 f"step: {sorted(extra)}")
+        for rid in output.sampling:
+            r = self.get_request(rid)
+            if rid not in sampled and r is not None and not r.is_finished:
+                raise SchedulerError(f"request {rid!r} is fully computed but has no sampled "
+                                     "token")
+        return self._complete(output, sampled)
+
+    def _commit(self, output: SchedulerOutput) -> None:
+        sampling = output.sampling
         for s in output.scheduled:
             request = s.request
             if request.is_finished:
                 continue
+            s.start = request.num_computed_tokens
             request.num_computed_tokens += s.num_tokens
-            self.kv.cache_full_blocks(request)
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_pending += 1
+                sampling.append(request.request_id)
+                sampling += [c.request_id for c in output.forks.get(request.request_id, ())]
+
+    def _complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        finished: list[Request] = []
+        max_model_len = self.config.max_model_len
+        waiting_finished = False
+        for s in output.scheduled:
+            request = s.request
+            if request.is_finished:
                 continue
-            if request.request_id in output.forks:
+            running = request.status is RequestStatus.RUNNING
+            if running:   # a request preempted since (async scheduling) has no blocks to cache
+                self.kv.cache_full_blocks(request, s.start + s.num_tokens)
+            rid = request.request_id
+            if rid not in sampled:
+                continue
+            if rid in output.forks:
                 finished += self._fork_children(request, sampled)
-            request.append_output(sampled[request.request_id])
-            if not request.is_finished and request.num_tokens >= max_model_len:
+            request.append_output(sampled[rid])
+            if not request.is_finished and request.num_known_tokens >= max_model_len:
                 request.finish(FinishReason.LENGTH)
             if request.is_finished:
                 self._forget(request)
                 finished.append(request)
+                waiting_finished |= not running
+        if waiting_finished:
+            self._requests.discard_finished()
         if finished:
             self._drop_finished_running()
         return finished
@@ -357,6 +412,19 @@ class Scheduler:
     def _drop_finished_running(self) -> None:
         self._batch.running[:] = [t for t in self._batch.running if not t.request.is_finished]
 
+    def _check_running(self, s) -> None:
+        request = s.request
+        rid = request.request_id
+        if request.is_finished:
+            return
+        if self.get_request(rid) is not request or request.status is not RequestStatus.RUNNING:
+            raise SchedulerError(f"scheduled request {rid!r} is not running")
+        done = request.num_computed_tokens + s.num_tokens
+        if done > request.num_tokens or s.start >= 0:
+            raise SchedulerError(
+                f"request {rid!r} would have {done} computed tokens out of "
+                f"{request.num_tokens}; was this output applied twice?")
+
     def _check_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         ids: set[str] = set()
         for s in output.scheduled:
@@ -365,14 +433,8 @@ class Scheduler:
             ids.add(rid)
             if request.is_finished:
                 continue
-            if self.get_request(rid) is not request or \
-                    request.status is not RequestStatus.RUNNING:
-                raise SchedulerError(f"scheduled request {rid!r} is not running")
+            self._check_running(s)
             done = request.num_computed_tokens + s.num_tokens
-            if done > request.num_tokens:
-                raise SchedulerError(
-                    f"request {rid!r} would have {done} computed tokens out of "
-                    f"{request.num_tokens}; was this output applied twice?")
             if done == request.num_tokens and rid not in sampled:
                 raise SchedulerError(f"request {rid!r} is fully computed but has no sampled token")
             if done < request.num_tokens and rid in sampled:

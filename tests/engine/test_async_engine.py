@@ -162,3 +162,30 @@ def test_request_group_streams_each_sample_and_shares_the_prompt(llm):
     # the prompt was computed once for both samples
     assert llm.engine.stats.num_prompt_tokens - prompt_tokens_before == len(
         llm.encode("Once upon a time"))
+
+
+def test_streams_over_an_async_scheduling_core_equal_offline(llm, stories_dir):
+    """The engine core with async scheduling (each step's tokens sent after the next step
+    was launched): every stream still equals offline generate, and a closed stream's
+    request is aborted with its token in flight dropped, leaving no block held."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    offline = llm.generate(PROMPTS, params)
+    overlapping = LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False,
+                      max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=True)
+
+    async def main():
+        engine = await start_engine(overlapping)
+        streams = [engine.add_request(overlapping.encode(p), params, f"r{i}")
+                   for i, p in enumerate(PROMPTS)]
+        closed = engine.add_request(overlapping.encode(PROMPTS[0]), params, "closed")
+        async for _ in closed:
+            break
+        await closed.aclose()
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        await engine.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    assert [ids for _, ids, _ in results] == [o.token_ids for o in offline]
+    assert overlapping.engine.stats.num_overlapped_steps > 0
+    assert overlapping.engine.kv.num_free_blocks == overlapping.engine.kv.num_blocks

@@ -75,16 +75,16 @@ def test_failing_step_fails_only_its_requests_and_frees_blocks(stories_dir, monk
     llm = LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False)
     params = SamplingParams(max_tokens=6, temperature=0.0)
     good = llm.generate(["Once upon a time"], params)[0].token_ids
-    real_execute = ModelRunner.execute
+    real_launch = ModelRunner.launch
     calls = {"n": 0}
 
-    def flaky(self, out, kv):
+    def flaky(self, out, kv, previous=None):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected failure")
-        return real_execute(self, out, kv)
+        return real_launch(self, out, kv, previous)
 
-    monkeypatch.setattr(ModelRunner, "execute", flaky)
+    monkeypatch.setattr(ModelRunner, "launch", flaky)
     with pytest.raises(StepError, match="injected failure") as info:
         llm.generate(["Once upon a time", "The cat"], params)
     assert {r.finish_reason.value for r in info.value.failed} == {"error"}

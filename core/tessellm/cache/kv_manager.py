@@ -214,17 +214,20 @@ class KVCacheManager:
             table.extend(new_blocks)
         return True
 
-    def cache_full_blocks(self, request: SequenceState) -> None:
+    def cache_full_blocks(self, request: SequenceState, num_computed: int | None = None
+                          ) -> None:
         """Enter the request's full blocks whose tokens are all computed into the prefix
-        cache. Call it after the step that computed them (their KV must be written); blocks
-        offered before are skipped, so calling it every step costs only the new blocks."""
+        cache: the first `num_computed` tokens (default: request.num_computed_tokens). Call
+        it after the step that computed them (their KV must be written); blocks offered
+        before are skipped, so calling it every step costs only the new blocks."""
         if not self._caching:
             return
         rid = request.request_id
         table = self._tables.get(rid)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self._block_size, len(table))
+        done = request.num_computed_tokens if num_computed is None else num_computed
+        num_full = min(done // self._block_size, len(table))
         start = self._num_cached.get(rid, 0)
         if num_full <= start:
             return

@@ -38,6 +38,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
                         "it: cuda; default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run decode steps eagerly, without captured graphs (cuda)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch step N+1 while the device runs step N (default: "
+                        "on where the device runs asynchronously, cuda)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model over this many ranks (processes, one device each); "
                         "under torchrun, ranks > 0 become workers")
@@ -47,7 +50,7 @@ def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
-            "tensor_parallel_size", "packed_activations")
+            "tensor_parallel_size", "packed_activations", "async_scheduling")
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 

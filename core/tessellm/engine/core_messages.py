@@ -95,6 +95,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     device_counters: dict[str, float]   # DevicePlugin.runtime_counters() (xla: compilations)
     running_by_priority: list[int] = []  # [i]: running requests of priority class i
     waiting_by_priority: list[int] = []  # [i]: waiting (incl. preempted) ones of class i
+    num_overlapped_steps: int = 0        # launched while the previous step was in flight
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -45,7 +45,8 @@ def core_stats(engine: LLMEngine) -> CoreStats:
                      engine.kv.usage, s.num_steps, s.num_preemptions, s.num_prompt_tokens,
                      s.num_generated_tokens, prefix.queries, prefix.hits,
                      engine.runner.host_syncs, dict(engine.stage_times.snapshot()),
-                     engine.parts.device.runtime_counters(), running, waiting)
+                     engine.parts.device.runtime_counters(), running, waiting,
+                     s.num_overlapped_steps)
 
 
 def device_plugin_of(device: object) -> tuple[str, str]:

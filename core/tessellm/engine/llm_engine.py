@@ -1,4 +1,15 @@
-"""LLMEngine: the synchronous engine loop. `step()` is schedule, execute, update."""
+"""LLMEngine: the engine loop. `step()` is schedule, launch, update.
+
+Async scheduling (`async_scheduling`; on by default where the device runs asynchronously,
+cuda): a step is launched, committed (its computed counts move and each request completing
+in it holds a pending token), and kept in flight; the next step() schedules and launches the
+following step while the device still runs it (its pending tokens are fed on the device),
+and only then waits for the in-flight step's ids and completes it. So the host prepares step
+N+1 while the device runs step N, and step() returns step N's finished requests one call
+later. A step is kept in flight only when the next one cannot depend on its ids on the host:
+none of its rows forks siblings (n > 1) or uses a penalty (the penalties read the ids).
+Requests finished by EOS at step N were already scheduled into N+1; that token is dropped.
+"""
 from __future__ import annotations
 
 import itertools
@@ -12,11 +23,11 @@ import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
-from tessellm.engine.model_runner import ModelRunner
+from tessellm.engine.model_runner import LaunchedStep, ModelRunner
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.engine.sampler import SAMPLE_OP, SelectSampleKernel, sample_kernel_query
 from tessellm.engine.stage_times import StageTimes
-from tessellm.errors import InvalidRequestError, TessellmError
+from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.kernels.profiler import KernelSelector, token_bucket
 from tessellm.parallel.group import ParallelGroupError
 from tessellm.request import FinishReason, Request
@@ -40,6 +51,7 @@ class StepStats:
     num_generated_tokens: int = 0
     num_swapped_out_blocks: int = 0   # swap preemption traffic, device -> host
     num_swapped_in_blocks: int = 0    # and back
+    num_overlapped_steps: int = 0     # launched while the previous step was in flight
 
 
 def sample_kernel_select(selector: KernelSelector) -> SelectSampleKernel | None:
@@ -58,6 +70,21 @@ def sample_kernel_select(selector: KernelSelector) -> SelectSampleKernel | None:
     return select
 
 
+def async_scheduling_enabled(parts: EngineParts) -> bool:
+    """config.async_scheduling, or (None) whether the device runs asynchronously. Raises
+    ConfigError on a static-shape device (the feed would be a shape of its own per step);
+    EngineConfig refuses it with tensor parallelism (workers replay host-staged ids)."""
+    c, device = parts.config, parts.device
+    wanted = c.async_scheduling
+    static = device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs) is not None
+    if wanted is None:
+        return device.asynchronous and parts.parallel is None and not static
+    if wanted and static:
+        raise ConfigError(f"async_scheduling is not supported on device {device.name!r}, "
+                          "which compiles static step shapes")
+    return wanted
+
+
 def make_model_runner(parts: EngineParts) -> ModelRunner:
     """The runner of an engine's parts (on every rank of a tensor-parallel group; rank 0's
     sends its device work to the others)."""
@@ -72,7 +99,8 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
                        select_sample_kernel=sample_kernel_select(parts.selector),
                        static_shapes=parts.device.static_shapes(
                            c.max_num_batched_tokens, c.max_num_seqs),
-                       followers=parts.parallel.channel if leads else None)
+                       followers=parts.parallel.channel if leads else None,
+                       overlap=async_scheduling_enabled(parts))
 
 
 class LLMEngine:
@@ -100,6 +128,9 @@ class LLMEngine:
         self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
                                     c.block_size, self.kv.num_blocks)
         self._ids = itertools.count()
+        self._in_flight: LaunchedStep | None = None
+        self._in_flight_t0 = 0.0
+        self._last_completed = 0.0
         self.dead: str | None = None
         if parts.parallel is not None:   # the workers stop with this engine, or at exit
             weakref.finalize(self, parts.parallel.shutdown)
@@ -123,6 +154,7 @@ class LLMEngine:
 
     def _die(self, reason: str) -> list[Request]:
         self.dead = reason
+        self._in_flight = None
         return self.scheduler.finish_requests(self.scheduler.unfinished_request_ids(),
                                               FinishReason.ERROR)
 
@@ -185,13 +217,21 @@ class LLMEngine:
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Unfinished requests, or a step still in flight (async scheduling)."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.runner.overlap
 
     def step(self) -> list[Request]:
-        """One engine step; returns requests that finished in it."""
+        """One engine step; returns requests that finished in it (with async scheduling: in
+        the step completed by this call, the one launched by the previous call)."""
         if self.parts.parallel is not None:
             self.check_alive()
             self.wait_for_ranks()
+        previous, self._in_flight = self._in_flight, None
+        previous_t0 = self._in_flight_t0
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.stage_times.add("schedule", time.perf_counter() - t0)
@@ -200,31 +240,74 @@ class LLMEngine:
         if not out.scheduled:
             if out.has_block_ops:   # a step that only preempted: its swap-outs still run
                 self._block_ops_only(out)
-            return []
+            return self._complete(previous, previous_t0) if previous is not None else []
         try:
-            sampled, token_ids, logprobs = self.runner.execute(out, self.kv)
+            launched = self.runner.launch(out, self.kv, previous)
         except Exception as exc:
-            if self.parts.parallel is not None:   # the ranks may be out of step: fatal
-                reason = (f"tensor-parallel engine stopped: a step failed on rank 0 "
-                          f"({type(exc).__name__}: {exc})")
-                failed = self._die(reason)
-                raise ParallelGroupError(f"{reason}; {len(failed)} unfinished request(s) "
-                                         "failed") from exc
-            # Only this step's requests fail; their blocks are freed and the engine goes on.
-            failed = self.scheduler.finish_requests(
-                [s.request.request_id for s in out.scheduled], FinishReason.ERROR)
-            raise StepError(f"engine step failed for {len(failed)} request(s): "
-                            f"{type(exc).__name__}: {exc}", failed) from exc
-        self._count(out, token_ids)
-        for request, lp in zip(sampled, logprobs):
+            error = self._fail_step(out, exc)
+            if previous is not None:        # the step in flight still completes
+                try:
+                    self._complete(previous, previous_t0)
+                except StepError as also:
+                    if isinstance(error, StepError):
+                        error.failed += also.failed
+            raise error from exc
+        if previous is not None:
+            self.stats.num_overlapped_steps += 1
+        self._count_prompt_tokens(out)
+        self.scheduler.commit(out)
+        finished = self._complete(previous, previous_t0) if previous is not None else []
+        if self.runner.overlap and self._can_stay_in_flight(launched):
+            self._in_flight, self._in_flight_t0 = launched, t0
+            return finished
+        return finished + self._complete(launched, t0)
+
+    @staticmethod
+    def _can_stay_in_flight(step: LaunchedStep) -> bool:
+        """Whether the next step may be scheduled before this one's ids are on the host."""
+        if step.out.forks:
+            return False
+        return not any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
+                       or r.params.frequency_penalty for r in step.sampled)
+
+    def _fail_step(self, out, exc: Exception) -> Exception:
+        """Fail a step's requests (freeing their blocks); returns the error to raise: a
+        StepError naming them, or with tensor parallelism ParallelGroupError (fatal)."""
+        if self.parts.parallel is not None:   # the ranks may be out of step: fatal
+            reason = (f"tensor-parallel engine stopped: a step failed on rank 0 "
+                      f"({type(exc).__name__}: {exc})")
+            failed = self._die(reason)
+            return ParallelGroupError(f"{reason}; {len(failed)} unfinished request(s) failed")
+        # Only this step's requests fail; their blocks are freed and the engine goes on.
+        failed = self.scheduler.finish_requests(
+            [s.request.request_id for s in out.scheduled], FinishReason.ERROR)
+        return StepError(f"engine step failed for {len(failed)} request(s): "
+                         f"{type(exc).__name__}: {exc}", failed)
+
+    def _complete(self, step: LaunchedStep, t0: float) -> list[Request]:
+        """Wait for a launched (committed) step's ids and complete it in the scheduler. The
+        SLA policy sees the time since the step was scheduled, or since the previous step
+        completed when that is later (steps in flight overlap)."""
+        try:
+            token_ids = self.runner.collect(step)
+        except Exception as exc:
+            raise self._fail_step(step.out, exc) from exc
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(step.out.preempted)
+        self.stats.num_generated_tokens += len(token_ids)
+        sampled: dict[str, int] = {}
+        for request, token, lp in zip(step.sampled, token_ids, step.logprobs):
+            if request.is_finished:   # finished (aborted, EOS) since it was launched
+                continue
+            sampled[request.request_id] = token
             if lp is not None:
                 request.output_logprobs.append(lp)
         t1 = time.perf_counter()
-        finished = self.scheduler.update_from_output(
-            out, {r.request_id: t for r, t in zip(sampled, token_ids)})
+        finished = self.scheduler.complete(step.out, sampled)
         t2 = time.perf_counter()
         self.stage_times.add("update", t2 - t1)
-        self.scheduler.observe_step(t2 - t0, out.num_decodes)
+        self.scheduler.observe_step(t2 - max(t0, self._last_completed), step.out.num_decodes)
+        self._last_completed = t2
         return finished
 
     def _block_ops_only(self, out) -> None:
@@ -242,10 +325,7 @@ class LLMEngine:
         """Cumulative seconds per engine stage (the runner's and the engine's own)."""
         return self.runner.stage_times
 
-    def _count(self, out, token_ids: list[int]) -> None:
-        self.stats.num_steps += 1
-        self.stats.num_preemptions += len(out.preempted)
-        self.stats.num_generated_tokens += len(token_ids)
+    def _count_prompt_tokens(self, out) -> None:
         for s in out.scheduled:  # prompt positions among the tokens computed this step
             start, n_prompt = s.request.num_computed_tokens, s.request.num_prompt_tokens
             self.stats.num_prompt_tokens += max(0, min(start + s.num_tokens, n_prompt) - start)

@@ -27,13 +27,22 @@ padded to a power of two with the null block, and `precompile` runs each shape o
 alone before the first request, so serving compiles nothing new.
 
 Padded logits rows are sampled greedily as dummy rows and dropped after the readback.
+
+Overlap (async scheduling, `overlap=True`): `launch` enqueues a step and returns at once (a
+LaunchedStep: the sampled ids stay on the device, their copy to the host is enqueued);
+`collect` waits for that copy. The engine launches step N+1 before it collects step N, so a
+decode row of N+1 whose token is still pending (sampled by N, not read back) takes its input
+id from N's device tensor: the staged id is a placeholder and, after the upload and before
+the plan, the compute stream overwrites those rows with N's ids (`index_copy_`). Host staging
+buffers and the readback buffer come in two sets used by alternate launches: a set is written
+again only after the step that used it was collected.
 """
 from __future__ import annotations
 
 import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -44,7 +53,8 @@ from tessellm.device import DecodeGraphShape, DevicePlugin, Event, StaticShapes,
 from tessellm.engine.block_table_rows import BlockTableRows
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
-from tessellm.engine.sampler import SampleRequest, Sampler, SelectSampleKernel, TokenLogprobs
+from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
+                                     SelectSampleKernel, TokenLogprobs)
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.parallel.group import ControlChannel
@@ -88,6 +98,24 @@ class StepInputs:
     logits_indices: list[int]
     sampled: list[Request]
     num_decodes: int
+    pending_rows: list[int] = field(default_factory=list)   # token rows whose id is pending
+    pending: list[Request] = field(default_factory=list)    # ... and whose pending token
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step on the device: `token_ids` (one per logits row, padded rows included) and
+    their host copy (`host`, complete once `readback` is waited), or for a step that samples
+    nothing the upload event `collect` waits instead. `rows` maps each sampled request's id
+    to its row of token_ids, for the next step's pending inputs."""
+
+    out: SchedulerOutput
+    sampled: list[Request]
+    logprobs: list[TokenLogprobs | None]
+    token_ids: torch.Tensor | None
+    host: torch.Tensor | None
+    readback: Event
+    rows: dict[str, int]
 
 
 def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
@@ -98,6 +126,13 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     for sched in out.scheduled:
         r, n = sched.request, sched.num_tokens
         start, stop = r.num_computed_tokens, r.num_computed_tokens + n
+        known = r.num_known_tokens
+        if stop > known:   # its pending token (async scheduling): fed on the device
+            if stop - known != 1 or r.num_pending != 1:
+                raise RuntimeError(f"request {r.request_id!r}: {stop - known} pending input "
+                                   f"tokens in one step (at most one may be in flight)")
+            s.pending_rows.append(len(s.token_ids) + known - start)
+            s.pending.append(r)
         s.token_ids += r.token_ids_slice(start, stop)
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)
@@ -123,13 +158,19 @@ class ModelRunner:
                  graph_sizes: Sequence[int] = (),
                  select_sample_kernel: SelectSampleKernel | None = None,
                  static_shapes: StaticShapes | None = None,
-                 followers: ControlChannel | None = None) -> None:
+                 followers: ControlChannel | None = None, overlap: bool = False) -> None:
         self.device = device
         self.followers = followers   # tensor parallelism: the leader's channel to the others
         self.plan = plan
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.sampler = Sampler(select_sample_kernel)
+        # Random rows' small host tables go up through the staging buffers (pinned, the
+        # transfer stream) on accelerators and when steps overlap; a pageable copy on CUDA
+        # would wait for every queued kernel. Not on static-shape devices (a compiled slice
+        # per row count) nor on the plain CPU path (nothing to copy there).
+        stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
+        self.sampler = Sampler(select_sample_kernel,
+                               self._stage_sampler_input if stages else None)
         self.stage_times = StageTimes()
         self.stream = device.new_stream()
         self.swapper = KVSwapper(device, kv_caches, host_kv_caches or [])
@@ -139,10 +180,17 @@ class ModelRunner:
                   "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
                   "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
                   "logits_indices": ((B,), torch.int64)}
-        self.host_bufs = {k: host.allocate(shape, dt) for k, (shape, dt) in shapes.items()}
+        if overlap:
+            shapes.update(feed_rows=((B,), torch.int64), feed_src=((B,), torch.int64))
+        shapes.update({SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32)})
+        self.overlap = overlap
+        self._host_sets = [{k: host.allocate(shape, dt) for k, (shape, dt) in shapes.items()}
+                           for _ in range(2 if overlap else 1)]
+        self._sampled_sets = [host.allocate((B,), torch.int64) for _ in self._host_sets]
+        self._launches = 0
+        self.host_bufs, self.host_sampled = self._host_sets[0], self._sampled_sets[0]
         self.dev_bufs = {k: alloc.allocate(shape, dt, tag="input_buffers")
                          for k, (shape, dt) in shapes.items()}
-        self.host_sampled = host.allocate((B,), torch.int64)
         self.table_rows = BlockTableRows(W, B)
         self.graph_sizes = sorted(g for g in graph_sizes if 1 <= g <= B)
         self.static_shapes = static_shapes
@@ -205,6 +253,16 @@ class ModelRunner:
         self.device.wait_on_compute(landed)
         return views, landed
 
+    def _stage_sampler_input(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """The sampler's host values on the device, through this launch's staging set; the
+        compute stream waits for the copy, the host does not."""
+        flat = values.reshape(-1)
+        h, d = self.host_bufs[name][:flat.shape[0]], self.dev_bufs[name][:flat.shape[0]]
+        h.copy_(flat)
+        self.stream.copy(d, h)
+        self.device.wait_on_compute(self.stream.record_event())
+        return d.view(values.shape)
+
     def _padding(self, s: StepInputs) -> StepPadding | None:
         """How this step is padded: to a decode graph's size, to a static shape, or not at all
         (None: the step runs at its own size)."""
@@ -238,14 +296,22 @@ class ModelRunner:
         return compiled
 
     def _forward(self, s: StepInputs, request_ids: list[str], pad: StepPadding | None,
-                 swapped_in: Event | None) -> tuple[torch.Tensor, Event]:
+                 swapped_in: Event | None, previous: LaunchedStep | None = None
+                 ) -> tuple[torch.Tensor, Event]:
         """Stage the step's inputs (padded as `pad` says), send them to the tensor-parallel
-        followers, run the plan; returns the logits (enqueued) and the upload event."""
+        followers, run the plan; returns the logits (enqueued) and the upload event.
+        Pending input tokens are fed from `previous` (the step in flight)."""
         batch = self._stage(s, request_ids, pad)
         if self.followers is not None:
             tables = self.host_bufs["block_tables"].numpy()[:batch.rows, :batch.width]
             self.followers.send(msgspec.structs.replace(batch, tables=tables.tobytes()))
-        return self.run_batch(batch, swapped_in)
+        feed = None
+        if s.pending_rows:
+            if previous is None or previous.token_ids is None:
+                raise RuntimeError("a step has pending input tokens but no step in flight")
+            src = [previous.rows[r.request_id] for r in s.pending]
+            feed = (s.pending_rows, src, previous.token_ids)
+        return self.run_batch(batch, swapped_in, feed)
 
     def _stage(self, s: StepInputs, request_ids: list[str], pad: StepPadding | None) -> Batch:
         """The host side of a forward pass: padded rows, and the block table filled into its
@@ -276,19 +342,29 @@ class ModelRunner:
         return Batch(ids, pos, slots, seq_lens, query_lens, logits_idx, num_decodes, rows,
                      width, None if pad is None else (pad.num_tokens, pad.num_seqs, pad.decode))
 
-    def run_batch(self, b: Batch, swapped_in: Event | None) -> tuple[torch.Tensor, Event]:
+    def run_batch(self, b: Batch, swapped_in: Event | None,
+                  feed: tuple[list[int], list[int], torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, Event]:
         """The device side of a forward pass (every rank runs it): upload, then the plan or
-        its compiled form. `b.tables`, when given, is the block table (a follower's)."""
+        its compiled form. `b.tables`, when given, is the block table (a follower's).
+        `feed` = (token rows, rows of the source, source ids on the device): those input
+        ids are overwritten on the device after the upload (pending tokens)."""
         if b.tables:
             table = np.frombuffer(b.tables, dtype=np.int32).reshape(b.rows, b.width)
             self.host_bufs["block_tables"].numpy()[:b.rows, :b.width] = table
         qsl = [0]
         for q in b.query_lens:
             qsl.append(qsl[-1] + q)
-        dev, uploaded = self._upload({
+        values = {
             "input_ids": b.token_ids, "positions": b.positions, "slot_mapping": b.slot_mapping,
             "block_tables": (b.rows, b.width), "seq_lens": b.seq_lens, "query_start_loc": qsl,
-            "logits_indices": b.logits_indices})
+            "logits_indices": b.logits_indices}
+        if feed is not None:
+            values.update(feed_rows=feed[0], feed_src=feed[1])
+        dev, uploaded = self._upload(values)
+        if feed is not None:   # compute stream, after the upload: the pending ids
+            ids = self.dev_bufs["input_ids"]
+            ids.index_copy_(0, dev["feed_rows"], feed[2].index_select(0, dev["feed_src"]))
         meta = AttentionMetadata(
             num_decodes=b.num_decodes, num_prefills=len(b.query_lens) - b.num_decodes,
             num_decode_tokens=b.num_decodes, num_prefill_tokens=len(b.token_ids) - b.num_decodes,
@@ -307,16 +383,17 @@ class ModelRunner:
         return logits, uploaded
 
     def _sample(self, logits: torch.Tensor, sampled: list[Request]
-                ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Sample the real rows (padded logits rows go through as greedy dummies) and read
-        the ids back: the step's one host sync."""
-        rows = [SampleRequest(r.params, len(r.output_token_ids), r.prompt_token_ids,
-                              r.output_token_ids) for r in sampled]
+                ) -> tuple[torch.Tensor, torch.Tensor, Event, list[TokenLogprobs | None]]:
+        """Sample the real rows (padded logits rows go through as greedy dummies) and enqueue
+        the ids' copy to the host; returns (device ids, host ids, their event, logprobs).
+        A row's output position counts its pending tokens (the seed position)."""
+        rows = [SampleRequest(r.params, len(r.output_token_ids) + r.num_pending,
+                              r.prompt_token_ids, r.output_token_ids) for r in sampled]
         rows += [PADDING_ROW] * (logits.shape[0] - len(rows))
         result = self.sampler(logits, rows)
         host = self.host_sampled[:logits.shape[0]]
-        self.wait(self.stream.copy(host, result.token_ids))
-        return host.tolist()[:len(sampled)], result.logprobs[:len(sampled)]
+        return (result.token_ids, host, self.stream.copy(host, result.token_ids),
+                result.logprobs[:len(sampled)])
 
     def _padding_shapes(self) -> list[StepPadding]:
         if self.static_shapes is not None:
@@ -332,7 +409,7 @@ class ModelRunner:
         for pad in shapes:
             empty = StepInputs([], [], [], [], [], [], [], [], 0)
             logits, _ = self._forward(empty, [], pad, None)
-            self._sample(logits, [])
+            self.wait(self._sample(logits, [])[2])
             self.device.synchronize()
         if self.static_shapes is not None:
             most = self.static_shapes.token_buckets[-1] // self.block_size \
@@ -346,21 +423,41 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], list[int], list[TokenLogprobs | None]]:
-        """Run one step; returns the requests that sampled, their new token ids and, per
-        request, the token's logprobs (None where its params.logprobs is None)."""
+        """Run one step (launch, then collect); returns the requests that sampled, their new
+        token ids and, per request, the token's logprobs (None where its params.logprobs is
+        None)."""
+        step = self.launch(out, kv)
+        return step.sampled, self.collect(step), step.logprobs
+
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager,
+               previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue one step: block ops, inputs, the plan, sampling and the copy of the ids to
+        the host. `previous` is the step still in flight (its pending tokens are inputs)."""
         t0 = time.perf_counter()
+        if self.overlap:   # alternate staging sets (see the module docstring)
+            self._launches += 1
+            k = self._launches % 2
+            self.host_bufs, self.host_sampled = self._host_sets[k], self._sampled_sets[k]
         swapped_in = self.apply_block_ops(out, kv)
         s = build_step_inputs(out, kv)
         t1 = time.perf_counter()
         logits, uploaded = self._forward(
             s, [sched.request.request_id for sched in out.scheduled], self._padding(s),
-            swapped_in)
+            swapped_in, previous)
         t2 = time.perf_counter()
         self.stage_times.add("prepare_inputs", t1 - t0)
         self.stage_times.add("execute", t2 - t1)
-        if not s.sampled:  # no readback this step: free the staging buffers explicitly
-            self.wait(uploaded)
-            return [], [], []
-        token_ids, logprobs = self._sample(logits, s.sampled)
+        if not s.sampled:  # no readback: collect waits for the upload (staging free again)
+            return LaunchedStep(out, [], [], None, None, uploaded, {})
+        token_ids, host, readback, logprobs = self._sample(logits, s.sampled)
         self.stage_times.add("sample", time.perf_counter() - t2)
-        return s.sampled, token_ids, logprobs
+        return LaunchedStep(out, s.sampled, logprobs, token_ids, host, readback,
+                            {r.request_id: i for i, r in enumerate(s.sampled)})
+
+    def collect(self, step: LaunchedStep) -> list[int]:
+        """Wait for a launched step's ids (the step's one host sync); its sampled requests'
+        new token ids, in order."""
+        t0 = time.perf_counter()
+        self.wait(step.readback)
+        self.stage_times.add("sample", time.perf_counter() - t0)
+        return [] if step.host is None else step.host.tolist()[:len(step.sampled)]

@@ -65,6 +65,11 @@ _MASK63 = (1 << 63) - 1
 
 # (rows, vocab) -> a function with reference.sample_tokens' six positional arguments
 SelectSampleKernel = Callable[[int, int], Callable[..., torch.Tensor]]
+# (buffer name, host tensor) -> the same values on the logits' device, copied through the
+# runner's staging buffers (pinned host memory, the transfer stream, compute ordered after it),
+# so the copy never makes the host wait for queued kernels; names: SAMPLE_ROWS, SAMPLE_TABLE
+StageToDevice = Callable[[str, torch.Tensor], torch.Tensor]
+SAMPLE_ROWS, SAMPLE_TABLE = "sample_rows", "sample_table"
 SAMPLE_OP = "sample_tokens"
 
 
@@ -122,8 +127,16 @@ class Sampler:
     reference, which runs on any device.
     """
 
-    def __init__(self, select_kernel: SelectSampleKernel | None = None) -> None:
+    def __init__(self, select_kernel: SelectSampleKernel | None = None,
+                 stage: StageToDevice | None = None) -> None:
         self.select_kernel = select_kernel
+        self.stage = stage   # None: host values go up with torch.tensor(..., device=...)
+
+    def _to_device(self, name: str, values: list, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+        if self.stage is None:
+            return torch.tensor(values, dtype=dtype, device=device)
+        return self.stage(name, torch.tensor(values, dtype=dtype))
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
         """Sample one token per row of `logits` ([batch, vocab], any float dtype)."""
@@ -148,23 +161,29 @@ class Sampler:
 
         x = _penalize_rows(logits, rows, penalized) if penalized else logits
         if len(random_rows) == batch:
-            token_ids = _sample_random(x, [r.params for r in rows],
-                                       [r.output_position for r in rows], self.select_kernel)
+            token_ids = self._sample_random(x, [r.params for r in rows],
+                                            [r.output_position for r in rows])
         else:
             token_ids = greedy_token_ids(x)
             if random_rows:
-                index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-                sampled = _sample_random(
+                index = self._to_device(SAMPLE_ROWS, random_rows, torch.long, logits.device)
+                sampled = self._sample_random(
                     x.index_select(0, index),
                     [rows[i].params for i in random_rows],
                     [rows[i].output_position for i in random_rows],
-                    self.select_kernel,
                 )
                 token_ids.index_copy_(0, index, sampled)
         logprobs: list[TokenLogprobs | None] = [None] * batch
         if wants_logprobs:
             _fill_logprobs(logprobs, x, token_ids, rows, wants_logprobs)
         return SamplerOutput(token_ids, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                       positions: Sequence[int]) -> torch.Tensor:
+        """Every row of `logits` has temperature > 0 and top_k != 1 (see sample_random)."""
+        return sample_random(logits, params, positions, self.select_kernel,
+                             lambda values: self._to_device(SAMPLE_TABLE, values, torch.float32,
+                                                            logits.device))
 
 
 def greedy_token_ids(x: torch.Tensor) -> torch.Tensor:
@@ -257,12 +276,14 @@ def _fill_logprobs(
         out[i] = TokenLogprobs(token, lp, list(zip(top_ids[j][:k], top_lp[j][:k])))
 
 
-def _sample_random(
+def sample_random(
     logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
     select_kernel: SelectSampleKernel | None = None,
+    table_to_device: Callable[[list[list[float]]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sample every row of `logits` (all rows have temperature > 0 and top_k != 1): the noise
-    is drawn here, the rest is the `sample_tokens` op (the reference, or `select_kernel`'s)."""
+    is drawn here, the rest is the `sample_tokens` op (the reference, or `select_kernel`'s).
+    `table_to_device` uploads the [4, n] float32 parameter table (default torch.tensor)."""
     device = logits.device
     n, vocab = logits.shape
     noise = _exponential_noise(logits.shape, params, positions, device)
@@ -270,8 +291,9 @@ def _sample_random(
     top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
     min_p = [p.min_p for p in params]
     # One host -> device copy for the four parameter rows (top_k < 2**24: exact in float32).
-    table = torch.tensor([[p.temperature for p in params], top_p, min_p, ks],
-                         dtype=torch.float32, device=device)
+    values = [[p.temperature for p in params], top_p, min_p, ks]
+    table = table_to_device(values) if table_to_device is not None else torch.tensor(
+        values, dtype=torch.float32, device=device)
     args = (logits, table[0], table[3].to(torch.int64), table[1], table[2], noise)
     kernel = select_kernel(n, vocab) if select_kernel is not None else reference.sample_tokens
     if kernel is not reference.sample_tokens:

@@ -32,7 +32,7 @@ class InjectedStepFailure(RuntimeError):
 
 
 def install_test_hooks(engine: LLMEngine, tokenizer: Any, environ: Mapping[str, str]) -> list[str]:
-    """Wrap engine.runner.execute per the environment; returns the hooks installed."""
+    """Wrap engine.runner.launch per the environment; returns the hooks installed."""
     substring = environ.get(FAIL_STEP_ON_PROMPT_ENV) or None
     raw_delay = environ.get(STEP_DELAY_ENV) or None
     if substring is None and raw_delay is None:
@@ -42,9 +42,9 @@ def install_test_hooks(engine: LLMEngine, tokenizer: Any, environ: Mapping[str, 
     except ValueError:
         raise ConfigError(f"{STEP_DELAY_ENV} must be a number of seconds, got {raw_delay!r}") \
             from None
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
-    def hooked_execute(out: Any, kv: Any) -> Any:
+    def hooked_launch(out: Any, kv: Any, previous: Any = None) -> Any:
         if delay > 0:
             time.sleep(delay)
         if substring is not None:
@@ -52,9 +52,9 @@ def install_test_hooks(engine: LLMEngine, tokenizer: Any, environ: Mapping[str, 
                 if substring in tokenizer.decode(s.request.prompt_token_ids):
                     raise InjectedStepFailure(f"test hook {FAIL_STEP_ON_PROMPT_ENV}: prompt of "
                                               f"{s.request.request_id} contains {substring!r}")
-        return execute(out, kv)
+        return launch(out, kv, previous)
 
-    engine.runner.execute = hooked_execute  # instance attribute shadows the method
+    engine.runner.launch = hooked_launch  # instance attribute shadows the method
     active = [name for name, on in ((FAIL_STEP_ON_PROMPT_ENV, substring is not None),
                                     (STEP_DELAY_ENV, delay > 0)) if on]
     log.warning("TEST HOOKS ACTIVE (never in production): %s", ", ".join(active))

@@ -25,6 +25,10 @@ request of a better level is served before running requests of a worse one.
     preempted in it (with a single level: nobody is, as before priorities existed), and the
     preempted ones are queued again only at the end of the pass: never back in the same step.
 
+Async scheduling: a running request whose pending tokens (sampled on the device by the step
+still in flight) already reach its max_tokens or max_model_len is skipped: it is finished as
+soon as they are read back, so a step for it would be wasted (and past max_model_len, wrong).
+
 Invariants: the pass visits `running` in list order, and every victim is the list's tail, of a
 key >= the request being served: a victim was never granted tokens earlier in the same step.
 A waiting request admitted in the step has a key below the running request visited next, so
@@ -93,6 +97,9 @@ class BatchScheduler:
             if i >= len(running):
                 break
             ticket = running[i]
+            if ticket.request.finishes_by_length_when_resolved(queue.max_model_len):
+                i += 1                       # in flight, done once read back: nothing to run
+                continue
             n = self.tokens.num_new_tokens(ticket.request, budget)
             if not self._allocate_or_preempt(ticket, n, victims):
                 break                        # it was the tail: nothing after it is left

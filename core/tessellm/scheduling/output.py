@@ -31,6 +31,7 @@ class ScheduledRequest:
 
     request: Request
     num_tokens: int
+    start: int = -1   # num_computed_tokens when the step was committed (Scheduler.commit)
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     forks: dict[str, list[Request]] = field(default_factory=dict)
+    sampling: list[str] = field(default_factory=list)   # set by commit: who samples a token
 
     @property
     def num_decodes(self) -> int:

@@ -61,6 +61,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("tessellm:num_preemptions", "Requests preempted",
                                   s.num_preemptions)
         yield CounterMetricFamily("tessellm:engine_steps", "Engine steps run", s.num_steps)
+        yield CounterMetricFamily("tessellm:engine_overlapped_steps", "Engine steps launched "
+                                  "while the previous one was still on the device (async "
+                                  "scheduling)", s.num_overlapped_steps)
         yield CounterMetricFamily("tessellm:prefix_cache_queries",
                                   "Prompt tokens looked up in the prefix cache",
                                   s.prefix_cache_queries)

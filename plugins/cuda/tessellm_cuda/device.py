@@ -71,6 +71,7 @@ class CudaDevice(DevicePlugin):
     torch_device_type = "cuda"
     priority = 100
     distributed_backend = "nccl"
+    asynchronous = True   # kernels are enqueued on streams: async scheduling by default
     version = __version__
 
     def __init__(self) -> None:
