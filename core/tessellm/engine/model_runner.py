@@ -168,9 +168,9 @@ class ModelRunner:
         # transfer stream) on accelerators and when steps overlap; a pageable copy on CUDA
         # would wait for every queued kernel. Not on static-shape devices (a compiled slice
         # per row count) nor on the plain CPU path (nothing to copy there).
-        stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
+        self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
         self.sampler = Sampler(select_sample_kernel,
-                               self._stage_sampler_input if stages else None)
+                               self._stage_small if self._stages else None)
         self.stage_times = StageTimes()
         self.stream = device.new_stream()
         self.swapper = KVSwapper(device, kv_caches, host_kv_caches or [])
@@ -182,7 +182,10 @@ class ModelRunner:
                   "logits_indices": ((B,), torch.int64)}
         if overlap:
             shapes.update(feed_rows=((B,), torch.int64), feed_src=((B,), torch.int64))
-        shapes.update({SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32)})
+        # fresh blocks to zero in one step: at most T / block_size + 2 per sequence (+ null)
+        self._max_fresh = T // block_size + 2 * B + 1
+        shapes.update({SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32),
+                       "fresh_blocks": ((self._max_fresh,), torch.int64)})
         self.overlap = overlap
         self._host_sets = [{k: host.allocate(shape, dt) for k, (shape, dt) in shapes.items()}
                            for _ in range(2 if overlap else 1)]
@@ -204,7 +207,10 @@ class ModelRunner:
         if self.static_shapes is not None:   # a power-of-two count: few shapes to compile
             block_ids = block_ids + [KVCacheManager.NULL_BLOCK] * (
                 (1 << (len(block_ids) - 1).bit_length()) - len(block_ids))
-        idx = torch.tensor(block_ids, dtype=torch.int64).to(self.kv_caches[0].device)
+        if self._stages and len(block_ids) <= self._max_fresh:
+            idx = self._stage_small("fresh_blocks", torch.tensor(block_ids, dtype=torch.int64))
+        else:
+            idx = torch.tensor(block_ids, dtype=torch.int64).to(self.kv_caches[0].device)
         for cache in self.kv_caches:
             cache.index_fill_(1, idx, 0)
         if self.static_shapes is not None:   # its own graph, not merged into the step's
@@ -253,9 +259,11 @@ class ModelRunner:
         self.device.wait_on_compute(landed)
         return views, landed
 
-    def _stage_sampler_input(self, name: str, values: torch.Tensor) -> torch.Tensor:
-        """The sampler's host values on the device, through this launch's staging set; the
-        compute stream waits for the copy, the host does not."""
+    def _stage_small(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        """Small host values (the sampler's tables, the blocks to zero) on the device through
+        this launch's staging set: pinned memory and the transfer stream; the compute stream
+        waits for the copy, the host does not (a pageable copy on CUDA would wait for every
+        queued kernel)."""
         flat = values.reshape(-1)
         h, d = self.host_bufs[name][:flat.shape[0]], self.dev_bufs[name][:flat.shape[0]]
         h.copy_(flat)
