@@ -322,3 +322,29 @@ def test_registering_a_name_twice_raises() -> None:
     (129, 256), (130, 256), (4096, 4096), (4097, 8192)])
 def test_token_bucket(tokens: int, bucket: int) -> None:
     assert token_bucket(tokens) == bucket
+
+
+def test_every_timed_call_starts_after_the_cache_flush() -> None:
+    """The scratch buffer is written right before each timed call (never inside it), and the
+    flush size is part of the cache key, so decisions made another way are not reused."""
+    events: list[str] = []
+    kernels = {name: Counted(ref.rms_norm) for name in ("a", "b")}
+    for name, k in kernels.items():
+        k.fn = (lambda n: lambda *a: events.append(n) or ref.rms_norm(*a))(name)
+    sel = _selector(_registry(*kernels.items()), flush_bytes=1 << 16)
+    real_flush = sel._flush_caches
+
+    def flush():
+        events.append("flush")
+        real_flush()
+
+    sel._flush_caches = flush
+    sel.decide(Q)
+    timed = events[events.index("flush"):]       # after the correctness runs
+    assert timed.count("flush") == len(timed) // 2 >= 6   # >= 3 rounds x 2 candidates
+    assert all(timed[i] == "flush" and timed[i + 1] in kernels for i in range(0, len(timed), 2))
+    assert float(sel._scratch.min()) == 1.0 and sel._scratch.numel() == (1 << 16) // 4
+    candidates = sel.registry.candidates(DEV, Q)
+    assert "flush=65536" in sel.cache_key(Q, candidates)
+    assert "flush=0" in _selector(_registry(*kernels.items()), flush_bytes=0).cache_key(
+        Q, candidates)
