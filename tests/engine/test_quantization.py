@@ -118,8 +118,12 @@ def test_packed_gguf_on_the_simulated_accelerator() -> None:
 
 def test_q8_activations_opt_in_rounds_packed_linear_inputs(stories_dir, reference) -> None:
     """packed_activations="q8_0": every packed linear becomes linear_packed_q8act; the C VNNI
-    kernel and the torch one give the same tokens (they differ only by float rounding), and
-    against float activations the prefill logits move by the int8 rounding of the inputs."""
+    kernel and the torch one give the same tokens, and against float activations the prefill
+    logits move by the int8 rounding of the inputs. The two kernels' outputs differ by float
+    rounding (tests/kernels/test_linear_q8act.py holds them to it), but through the layers a
+    last-bit difference can move the next block's int8 rounding by one step (seen: 0.14 in
+    the logits once the profiler picked other norm kernels), so end to end the logits are
+    held to a fraction of that step's effect, not to float rounding."""
     base = dict(quantization="q8_0", kernel_selection="first")
     exact = _llm(stories_dir, **base)
     runs = {}
@@ -135,7 +139,7 @@ def test_q8_activations_opt_in_rounds_packed_linear_inputs(stories_dir, referenc
         runs[kernel] = (logits, llm.generate([reference["token_ids"][:5]], GREEDY)[0].token_ids)
     (a_logits, a_tokens), (b_logits, b_tokens) = runs.values()
     assert a_tokens == b_tokens
-    torch.testing.assert_close(a_logits, b_logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(a_logits, b_logits, atol=0.3, rtol=0)
     float_logits, _ = prefill_logits_and_token(exact, reference["token_ids"][:5])
     moved = (a_logits - float_logits).abs().max().item()
     assert 1e-4 < moved < 1.0, moved
