@@ -128,18 +128,24 @@ class EngineCoreLoop:
 
     def run(self) -> None:
         try:
+            stages = self.engine.stage_times
             while True:
                 busy = self.engine.has_unfinished()
+                t0 = time.perf_counter()
                 self._drain(0 if busy else int(HEARTBEAT_S * 1000))
+                if busy:   # an idle wait for messages is not loop overhead
+                    stages.add("core_messages", time.perf_counter() - t0)
                 if self._stopping and not self.engine.has_unfinished():
                     return
                 self.engine.check_alive()   # a lost tensor-parallel rank ends the core
                 if self.engine.has_unfinished():
                     self._step()
+                t0 = time.perf_counter()
                 deltas = self.tracker.deltas()
                 if deltas or time.monotonic() - self._last_sent >= HEARTBEAT_S:
                     self.send(StepOutputs(deltas, core_stats(self.engine),
                                           self.tracker.first_scheduled(), time.time()))
+                stages.add("core_messages", time.perf_counter() - t0)
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     log.error("engine core: the front end (pid %d) is gone; exiting",
                               self.parent_pid)
