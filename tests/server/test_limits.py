@@ -69,6 +69,19 @@ def test_body_and_n_limits(server):
     assert status == 400 and assert_error_body(body)["param"] == "n"
 
 
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x"])
+def test_form_content_types_are_refused(server, ctype):
+    """A browser may POST these cross-origin without a preflight; the JSON API refuses them
+    (415) before reading, so a page elsewhere cannot make a visitor's browser run requests."""
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    status, _, answer = request(server, "POST", "/v1/completions", raw=body,
+                                headers={**AUTH, "Content-Type": ctype})
+    assert status == 415 and "application/json" in assert_error_body(answer)["message"]
+    status, _, _ = request(server, "POST", "/v1/completions", raw=body, headers=AUTH)
+    assert status == 200
+
+
 async def _first_event(resp: aiohttp.ClientResponse) -> str:
     async for line in resp.content:
         if line.startswith(b"data: "):
@@ -171,3 +184,4 @@ def test_sigterm_aborts_what_cannot_drain_and_exits_0(server):
     assert "shutting down" in err["message"] and err["code"] == 503
     conn.close()
     assert "shutting down" in server.log()
+

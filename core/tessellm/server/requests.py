@@ -56,7 +56,18 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# The content types a browser may POST cross-origin without a CORS preflight: a page on any
+# site could otherwise make a visitor's browser run requests on a server without an API key.
+SIMPLE_FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded",
+                               "multipart/form-data"})
+
+
 async def read_body(request: web.Request, model: type[M]) -> M:
+    """The JSON body validated as `model`. 415 for the form content types a browser sends
+    without a preflight (see SIMPLE_FORM_TYPES); 413 past max_body_bytes; 400 otherwise."""
+    if request.content_type in SIMPLE_FORM_TYPES:
+        raise APIError(415, f"the request body is sent as {request.content_type!r}; send JSON "
+                       "with Content-Type: application/json")
     limit = request.app[STATE_KEY].config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"the request body has {request.content_length} bytes; the limit "
