@@ -27,6 +27,25 @@ def test_generate_on_stories_prints_the_reference_continuation(capsys, stories_d
     assert ref["prompt"] + out.rstrip("\n") == ref["text"]
 
 
+def test_generate_chat_uses_the_chat_template(capsys):
+    """--chat on the default model (SmolLM2-135M-Instruct): the reply LLM.chat gives, with and
+    without a --system message."""
+    from tessellm import LLM, SamplingParams
+    question = {"role": "user", "content": "What is the capital of France?"}
+    llm = LLM(device="cpu", kernel_selection="first", load_progress=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    for system in (None, "Answer briefly."):
+        extra = ["--system", system] if system else []
+        assert main(["generate", "--chat", "--prompt", question["content"], "--max-tokens",
+                     "12", "--device", "cpu", "--kernel-selection", "first", *extra]) == 0
+        out, _ = capsys.readouterr()
+        messages = ([{"role": "system", "content": system}] if system else []) + [question]
+        want = llm.chat(messages, params)[0].text
+        assert out == want + "\n"
+        if system is None:
+            assert "Paris" in want
+
+
 def test_plugins_json_lists_cpu_and_sim(capsys):
     assert main(["plugins", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -62,7 +62,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(f"[tessellm] {DEMO_NOTICE}", file=sys.stderr)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, min_p=a.min_p, seed=a.seed, ignore_eos=a.ignore_eos)
-    out = llm.generate([a.prompt], params)[0]
+    if a.chat:   # the prompt as the user's message, through the model's chat template
+        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt}]
+        out = llm.chat(messages, params)[0]
+    else:
+        out = llm.generate([a.prompt], params)[0]
     print(out.text)
     return 0
 
@@ -159,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template "
+                        "(as /v1/chat/completions does)")
+    g.add_argument("--system", default=None, help="with --chat: a system message first")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plugins", help="list every plugin found, its devices and status")
