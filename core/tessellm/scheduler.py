@@ -44,13 +44,10 @@ Invariants:
 schedule() and update_from_output() alternate: the computed counts move only in the latter,
 except that admission sets a request's count to its prefix-cache hit. update_from_output()
 enters newly computed full blocks into the prefix cache (their KV is written by then).
-update_from_output() is commit() then complete(); async scheduling (tessellm.engine.llm_engine)
-calls them apart: commit() when the step is on the device (computed counts move, and every
-request that completes in it holds one pending token, so the next schedule() can already
-grant its next decode), complete() once the sampled ids are read back (tokens appended, stops
-and lengths decided, blocks cached), after the next step was scheduled and launched. Between
-the two, a request of the step may have been preempted (it is waiting then) or finished
-(complete() skips it: its token is dropped).
+update_from_output() is commit() (computed counts move; a request completing in the step holds
+a pending token, so the next schedule() can grant its next decode) then complete() (tokens
+appended, stops and lengths, blocks cached). Async scheduling calls them a step apart; in
+between a request may be preempted (waiting then) or finished (its token is dropped).
 Prefix-cache counters (`prefix_cache_queries`, `prefix_cache_hits`, in tokens, and
 `prefix_cache_hit_rate`) count admissions; see tessellm.cache.prefix_cache.PrefixCacheStats.
 
@@ -74,6 +71,7 @@ from tessellm.request import FinishReason, Request, RequestStatus
 from tessellm.scheduling.batch_scheduler import BatchScheduler
 from tessellm.scheduling.config import SchedulerConfig
 from tessellm.scheduling.forks import ForkGroups
+from tessellm.scheduling.output_checks import check_output, check_running, check_samples
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
 from tessellm.scheduling.request_scheduler import RequestScheduler
 from tessellm.scheduling.sla import SLABatchSizer, SLAConfig
@@ -187,33 +185,22 @@ class Scheduler:
         since schedule() are ignored. Returns the requests that finished (blocks freed).
         Raises SchedulerError, changing nothing, when `sampled` does not match the output.
         """
-        self._check_output(output, sampled)
+        check_output(self.get_request, output, sampled)
         self._commit(output)
         return self._complete(output, sampled)
 
     def commit(self, output: SchedulerOutput) -> None:
-        """The step is on the device: move its computed counts; each request that completes
-        in it holds a pending token until complete(). Raises SchedulerError, changing
-        nothing, when a scheduled request is not running or the output was committed."""
+        """The step is on the device (see the module docstring). Raises SchedulerError,
+        changing nothing, when a scheduled request is not running or was committed."""
         for s in output.scheduled:
-            self._check_running(s)
+            check_running(self.get_request, s)
         self._commit(output)
 
     def complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """The committed step's sampled ids arrived: one for each id in output.sampling
-        (entries for requests finished since are ignored). Appends them, decides stops and
-        lengths, caches the newly computed full blocks; returns the requests that finished
-        (blocks freed). Raises SchedulerError, changing nothing, on a mismatch."""
-        expected = set(output.sampling)
-        extra = sampled.keys() - expected
-        if extra:
-            raise SchedulerError(f"sampled tokens for requests that do not sample in this "
-                                 f"step: {sorted(extra)}")
-        for rid in output.sampling:
-            r = self.get_request(rid)
-            if rid not in sampled and r is not None and not r.is_finished:
-                raise SchedulerError(f"request {rid!r} is fully computed but has no sampled "
-                                     "token")
+        """The committed step's ids, one per id in output.sampling (ignored for requests
+        finished since); returns the requests that finished (blocks freed). Raises
+        SchedulerError, changing nothing, on a mismatch."""
+        check_samples(self.get_request, output, sampled)
         return self._complete(output, sampled)
 
     def _commit(self, output: SchedulerOutput) -> None:
@@ -411,44 +398,3 @@ class Scheduler:
 
     def _drop_finished_running(self) -> None:
         self._batch.running[:] = [t for t in self._batch.running if not t.request.is_finished]
-
-    def _check_running(self, s) -> None:
-        request = s.request
-        rid = request.request_id
-        if request.is_finished:
-            return
-        if self.get_request(rid) is not request or request.status is not RequestStatus.RUNNING:
-            raise SchedulerError(f"scheduled request {rid!r} is not running")
-        done = request.num_computed_tokens + s.num_tokens
-        if done > request.num_tokens or s.start >= 0:
-            raise SchedulerError(
-                f"request {rid!r} would have {done} computed tokens out of "
-                f"{request.num_tokens}; was this output applied twice?")
-
-    def _check_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        ids: set[str] = set()
-        for s in output.scheduled:
-            request = s.request
-            rid = request.request_id
-            ids.add(rid)
-            if request.is_finished:
-                continue
-            self._check_running(s)
-            done = request.num_computed_tokens + s.num_tokens
-            if done == request.num_tokens and rid not in sampled:
-                raise SchedulerError(f"request {rid!r} is fully computed but has no sampled token")
-            if done < request.num_tokens and rid in sampled:
-                raise SchedulerError(
-                    f"request {rid!r} computed a partial chunk ({done} of "
-                    f"{request.num_tokens} tokens) and must not sample")
-        for pid, children in output.forks.items():
-            parent = self.get_request(pid)
-            for child in children:
-                ids.add(child.request_id)
-                if parent is not None and not parent.is_finished \
-                        and not child.is_finished and child.request_id not in sampled:
-                    raise SchedulerError(f"forked request {child.request_id!r} has no sampled "
-                                         f"token")
-        extra = sampled.keys() - ids
-        if extra:
-            raise SchedulerError(f"sampled tokens for requests not in this step: {sorted(extra)}")

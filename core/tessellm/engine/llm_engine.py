@@ -23,7 +23,8 @@ import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.engine.builder import EngineParts
-from tessellm.engine.model_runner import LaunchedStep, ModelRunner
+from tessellm.engine.model_runner import ModelRunner
+from tessellm.engine.step_inputs import LaunchedStep
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.engine.sampler import SAMPLE_OP, SelectSampleKernel, sample_kernel_query
 from tessellm.engine.stage_times import StageTimes

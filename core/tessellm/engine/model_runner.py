@@ -39,10 +39,8 @@ again only after the step that used it was collected.
 """
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -51,6 +49,8 @@ import torch
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import DecodeGraphShape, DevicePlugin, Event, StaticShapes, StaticStepShape
 from tessellm.engine.block_table_rows import BlockTableRows
+from tessellm.engine.step_inputs import (LaunchedStep, StepInputs, StepPadding, bucket_at_least,
+                                         build_step_inputs)
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
@@ -66,88 +66,6 @@ from tessellm.scheduler import SchedulerOutput
 # what the sampler gets for a padded logits row (a static shape or a decode graph's padding):
 # greedy, so it costs one argmax and changes nothing; its token is dropped
 PADDING_ROW = SampleRequest(SamplingParams(temperature=0.0), 0, (), ())
-
-
-@dataclass(slots=True, frozen=True)
-class StepPadding:
-    """What a step is padded to: `num_tokens` rows, `num_seqs` sequences, logits rows as many
-    as sequences; `decode` keeps every row a decode (graph steps), else all are prefills.
-    `key` is the shape the device compiles the plan for."""
-
-    num_tokens: int
-    num_seqs: int
-    decode: bool
-    key: object
-
-
-def bucket_at_least(buckets: Sequence[int], n: int) -> int | None:
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else None
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """Host-side description of one step (lists; converted to tensors once)."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[Sequence[int]]   # read-only views (KVCacheManager.block_table_view)
-    seq_lens: list[int]
-    query_lens: list[int]
-    logits_indices: list[int]
-    sampled: list[Request]
-    num_decodes: int
-    pending_rows: list[int] = field(default_factory=list)   # token rows whose id is pending
-    pending: list[Request] = field(default_factory=list)    # ... and whose pending token
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step on the device: `token_ids` (one per logits row, padded rows included) and
-    their host copy (`host`, complete once `readback` is waited), or for a step that samples
-    nothing the upload event `collect` waits instead. `rows` maps each sampled request's id
-    to its row of token_ids, for the next step's pending inputs."""
-
-    out: SchedulerOutput
-    sampled: list[Request]
-    logprobs: list[TokenLogprobs | None]
-    token_ids: torch.Tensor | None
-    host: torch.Tensor | None
-    readback: Event
-    rows: dict[str, int]
-
-
-def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
-    """One row per scheduled request; a logits index (and sampled request) per request that
-    completes in this step, followed by one per sibling forking from it (out.forks): they
-    sample from its row, each with its own SamplingParams and seed."""
-    s = StepInputs([], [], [], [], [], [], [], [], 0)
-    for sched in out.scheduled:
-        r, n = sched.request, sched.num_tokens
-        start, stop = r.num_computed_tokens, r.num_computed_tokens + n
-        known = r.num_known_tokens
-        if stop > known:   # its pending token (async scheduling): fed on the device
-            if stop - known != 1 or r.num_pending != 1:
-                raise RuntimeError(f"request {r.request_id!r}: {stop - known} pending input "
-                                   f"tokens in one step (at most one may be in flight)")
-            s.pending_rows.append(len(s.token_ids) + known - start)
-            s.pending.append(r)
-        s.token_ids += r.token_ids_slice(start, stop)
-        s.positions += range(start, stop)
-        s.slot_mapping += kv.slot_mapping(r, start, stop)
-        s.block_tables.append(kv.block_table_view(r.request_id))
-        s.seq_lens.append(stop)
-        s.query_lens.append(n)
-        if stop == r.num_tokens:  # fully computed after this step: sample its next token
-            s.logits_indices.append(len(s.token_ids) - 1)
-            s.sampled.append(r)
-            for child in out.forks.get(r.request_id, ()):   # n > 1: the same row again
-                s.logits_indices.append(len(s.token_ids) - 1)
-                s.sampled.append(child)
-    while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
-        s.num_decodes += 1
-    return s
 
 
 class ModelRunner:
