@@ -149,6 +149,32 @@ def test_failing_step_with_a_step_in_flight(stories_dir, monkeypatch):
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], params)] == [t for t, _ in good]
 
 
+def test_failing_readback_of_the_step_in_flight(stories_dir, monkeypatch):
+    """Collecting step N fails after N+1 was launched: N's requests fail, N+1 stays in flight
+    and completes for the others (nothing orphaned with a pending token), no block leaks."""
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    llm = LLM(str(stories_dir), device="cpu", async_scheduling=True, **BASE)
+    real_collect = ModelRunner.collect
+    calls = {"n": 0}
+
+    def flaky(self, step):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected readback failure")
+        return real_collect(self, step)
+
+    monkeypatch.setattr(ModelRunner, "collect", flaky)
+    with pytest.raises(StepError, match="injected readback failure") as info:
+        llm.generate(PROMPTS[:2], params)
+    assert {r.finish_reason.value for r in info.value.failed} == {"error"}
+    monkeypatch.undo()
+    keep = llm.engine.add_request(llm.encode(PROMPTS[2]), params)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert keep.finish_reason.value == "length" and len(keep.output_token_ids) == 8
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def test_decode_graph_steps_take_pending_ids_on_the_device(stories_dir):
     from test_decode_graphs import _manager
     params = SamplingParams(max_tokens=20, temperature=0.0)

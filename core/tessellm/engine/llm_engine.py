@@ -239,9 +239,10 @@ class LLMEngine:
         self.stats.num_swapped_out_blocks += len(out.swap_out)
         self.stats.num_swapped_in_blocks += len(out.swap_in)
         if not out.scheduled:
+            finished = self._complete(previous, previous_t0) if previous is not None else []
             if out.has_block_ops:   # a step that only preempted: its swap-outs still run
                 self._block_ops_only(out)
-            return self._complete(previous, previous_t0) if previous is not None else []
+            return finished
         try:
             launched = self.runner.launch(out, self.kv, previous)
         except Exception as exc:
@@ -257,10 +258,21 @@ class LLMEngine:
             self.stats.num_overlapped_steps += 1
         self._count_prompt_tokens(out)
         self.scheduler.commit(out)
-        finished = self._complete(previous, previous_t0) if previous is not None else []
-        if self.runner.overlap and self._can_stay_in_flight(launched):
-            self._in_flight, self._in_flight_t0 = launched, t0
+        stay = self.runner.overlap and self._can_stay_in_flight(launched)
+        self._in_flight, self._in_flight_t0 = launched, t0   # in flight while N completes
+        try:
+            finished = self._complete(previous, previous_t0) if previous is not None else []
+        except StepError as error:   # step N failed; N+1 goes on as it would have
+            if not stay:
+                self._in_flight = None
+                try:
+                    self._complete(launched, t0)
+                except StepError as also:
+                    error.failed += also.failed
+            raise
+        if stay:
             return finished
+        self._in_flight = None
         return finished + self._complete(launched, t0)
 
     @staticmethod
