@@ -151,27 +151,28 @@ def test_failing_step_with_a_step_in_flight(stories_dir, monkeypatch):
 
 def test_failing_readback_of_the_step_in_flight(stories_dir, monkeypatch):
     """Collecting step N fails after N+1 was launched: N's requests fail, N+1 stays in flight
-    and completes for the others (nothing orphaned with a pending token), no block leaks."""
+    and a request that joined in N+1 goes on to its synchronous tokens; no block leaks."""
     params = SamplingParams(max_tokens=8, temperature=0.0)
+    _, (alone,), _ = _run(stories_dir, PROMPTS[1:2], params, device="cpu")
     llm = LLM(str(stories_dir), device="cpu", async_scheduling=True, **BASE)
+    failing = llm.engine.add_request(llm.encode(PROMPTS[0]), params)
+    for _ in range(3):
+        llm.engine.step()                       # `failing` has a step in flight
+    joined = llm.engine.add_request(llm.encode(PROMPTS[1]), params)   # its prefill: N+1
     real_collect = ModelRunner.collect
-    calls = {"n": 0}
 
-    def flaky(self, step):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected readback failure")
-        return real_collect(self, step)
+    def fail_once(self, step):
+        monkeypatch.setattr(ModelRunner, "collect", real_collect)
+        raise RuntimeError("injected readback failure")
 
-    monkeypatch.setattr(ModelRunner, "collect", flaky)
+    monkeypatch.setattr(ModelRunner, "collect", fail_once)
     with pytest.raises(StepError, match="injected readback failure") as info:
-        llm.generate(PROMPTS[:2], params)
-    assert {r.finish_reason.value for r in info.value.failed} == {"error"}
-    monkeypatch.undo()
-    keep = llm.engine.add_request(llm.encode(PROMPTS[2]), params)
+        llm.engine.step()
+    assert info.value.failed == [failing] and failing.finish_reason.value == "error"
+    assert llm.engine._in_flight is not None and joined.num_pending == 1
     while llm.engine.has_unfinished():
         llm.engine.step()
-    assert keep.finish_reason.value == "length" and len(keep.output_token_ids) == 8
+    assert (joined.output_token_ids, joined.finish_reason.value) == alone
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 

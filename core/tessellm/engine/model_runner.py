@@ -182,12 +182,8 @@ class ModelRunner:
         this launch's staging set: pinned memory and the transfer stream; the compute stream
         waits for the copy, the host does not (a pageable copy on CUDA would wait for every
         queued kernel)."""
-        flat = values.reshape(-1)
-        h, d = self.host_bufs[name][:flat.shape[0]], self.dev_bufs[name][:flat.shape[0]]
-        h.copy_(flat)
-        self.stream.copy(d, h)
-        self.device.wait_on_compute(self.stream.record_event())
-        return d.view(values.shape)
+        views, _ = self._upload({name: values.reshape(-1)})
+        return views[name].view(values.shape)
 
     def _padding(self, s: StepInputs) -> StepPadding | None:
         """How this step is padded: to a decode graph's size, to a static shape, or not at all
