@@ -31,7 +31,7 @@ class KernelSite:
     longer holds the plain weight and argument 1 arrives as None."""
 
     __slots__ = ("op", "dtype", "dims", "selector", "per_sequence", "_by_bucket", "_kernels",
-                 "_prepared")
+                 "_prepared", "_last_rows", "_last_fn")
 
     def __init__(self, op: str, dtype: torch.dtype, dims: tuple, selector: KernelSelector,
                  per_sequence: bool = False) -> None:
@@ -40,6 +40,7 @@ class KernelSite:
         self._by_bucket: dict[int, Any] = {}
         self._kernels: dict[int, Kernel] = {}
         self._prepared: dict[str, Any] = {}
+        self._last_rows, self._last_fn = -1, None   # the row count of the last call and its fn
 
     def fn_for(self, num_tokens: int):
         bucket = token_bucket(num_tokens)
@@ -49,6 +50,7 @@ class KernelSite:
         return fn
 
     def _bind(self, bucket: int, kernel: Kernel | None = None):
+        self._last_rows = -1
         kernel = self._kernels[bucket] = kernel or self.selector.select(
             KernelQuery(self.op, self.dtype, bucket, self.dims))
         layout = kernel.weight_layout
@@ -74,7 +76,10 @@ class KernelSite:
         return fn
 
     def __call__(self, *args: Any) -> Any:
-        return self.fn_for(args[0].shape[0])(*args)
+        rows = args[0].shape[0]
+        if rows != self._last_rows:   # every layer's site meets the step's row count once
+            self._last_fn, self._last_rows = self.fn_for(rows), rows
+        return self._last_fn(*args)
 
     def choose(self, num_tokens: int) -> tuple[str, str]:
         """Select (profiling if needed) the kernel of a bucket now: (bucket key, kernel)."""

@@ -7,6 +7,7 @@ cleared, so intermediates are released as early as possible (buffer reuse by liv
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,6 +27,10 @@ class Instruction:
 
 
 class ExecutionPlan:
+    """Instruction arguments that are not slots (eps, scales, dims) get slots of their own past
+    `num_slots`, filled at every run, so each instruction fetches its arguments with one
+    precomputed getter (the plan's per-op host cost is part of every decode step)."""
+
     def __init__(self, instructions: list[Instruction], num_slots: int,
                  inputs: dict[str, int], constants: dict[int, Any], output: int) -> None:
         self.instructions = instructions
@@ -33,15 +38,32 @@ class ExecutionPlan:
         self.inputs = inputs
         self.constants = constants
         self.output = output
+        self._literals: list[tuple[int, Any]] = []
+        self._getters = [self._getter(ins.args) for ins in instructions]
+
+    def _getter(self, args: tuple[Any, ...]) -> Callable[[list[Any]], Any]:
+        """env -> the instruction's arguments (a tuple or list, to be unpacked)."""
+        idx = []
+        for a in args:
+            if type(a) is Slot:
+                idx.append(a.index)
+            else:
+                idx.append(self.num_slots + len(self._literals))
+                self._literals.append((idx[-1], a))
+        if len(idx) == 1:
+            return operator.itemgetter(slice(idx[0], idx[0] + 1))
+        return operator.itemgetter(*idx) if idx else operator.itemgetter(slice(0, 0))
 
     def run(self, feeds: dict[str, Any]) -> Any:
-        env: list[Any] = [None] * self.num_slots
+        env: list[Any] = [None] * (self.num_slots + len(self._literals))
         for i, v in self.constants.items():
+            env[i] = v
+        for i, v in self._literals:
             env[i] = v
         for name, i in self.inputs.items():
             env[i] = feeds[name]
-        for ins in self.instructions:
-            env[ins.out] = ins.fn(*[env[a.index] if type(a) is Slot else a for a in ins.args])
+        for ins, get in zip(self.instructions, self._getters):
+            env[ins.out] = ins.fn(*get(env))
             for r in ins.release:
                 env[r] = None
         return env[self.output]

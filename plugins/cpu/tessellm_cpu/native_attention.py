@@ -38,31 +38,19 @@ class NativeDecode:
             fn = entry_point(native, name)
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._fns[dtype] = fn
+        # The step's tables and lengths, checked and converted once per metadata object (every
+        # layer of a step passes the same one): (meta, tables, seq_lens).
+        self._step: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def supports(query: KernelQuery) -> bool:
         return query.dtype in (torch.float32, torch.bfloat16)
 
-    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
-        fn = self._fns.get(q.dtype)
-        if fn is None or kv_cache.dtype != q.dtype:
-            raise TypeError(f"native decode supports float32/bfloat16, got {q.dtype} "
-                            f"with a {kv_cache.dtype} cache")
-        if kv_cache.device.type != "cpu" or q.device.type != "cpu":
-            raise ValueError("native decode runs on CPU tensors")
-        if not kv_cache.is_contiguous() or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-            raise ValueError("native decode needs a contiguous [2, blocks, kv_heads, block_size, "
-                             f"head_dim] KV cache, got shape {tuple(kv_cache.shape)}")
-        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+    def _step_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self._step
+        if step is not None and step[0] is meta:
+            return step[1], step[2]
         num_seqs = meta.num_seqs
-        if q.dim() != 2 or q.shape[0] != num_seqs or q.shape[1] % head_dim != 0:
-            raise ValueError(f"native decode needs q of [{num_seqs}, heads * {head_dim}] (one "
-                             f"token per sequence), got {tuple(q.shape)}")
-        if block_size != meta.block_size:
-            raise ValueError(f"the KV cache has blocks of {block_size} tokens, the metadata "
-                             f"{meta.block_size}")
-        q = q.contiguous()
         tables = meta.block_tables
         if tables.dim() != 2 or tables.shape[0] < num_seqs:
             raise ValueError(f"native decode needs a [{num_seqs}, max_blocks] block table, got "
@@ -72,12 +60,38 @@ class NativeDecode:
         seq_lens = meta.seq_lens.to(torch.int32).contiguous()
         if seq_lens.numel() != num_seqs:
             raise ValueError(f"{seq_lens.numel()} sequence lengths for {num_seqs} sequences")
+        if not (tables.is_cpu and seq_lens.is_cpu):
+            raise ValueError("native decode reads block tables and lengths on the CPU")
+        self._step = (meta, tables, seq_lens)
+        return tables, seq_lens
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        fn = self._fns.get(q.dtype)
+        if fn is None or kv_cache.dtype is not q.dtype:
+            raise TypeError(f"native decode supports float32/bfloat16, got {q.dtype} "
+                            f"with a {kv_cache.dtype} cache")
+        if not (kv_cache.is_cpu and q.is_cpu):
+            raise ValueError("native decode runs on CPU tensors")
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+            raise ValueError("native decode needs a contiguous [2, blocks, kv_heads, block_size, "
+                             f"head_dim] KV cache, got shape {tuple(kv_cache.shape)}")
+        _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
+        tables, seq_lens = self._step_tables(meta)
+        num_seqs = seq_lens.shape[0]
+        if q.dim() != 2 or q.shape[0] != num_seqs or q.shape[1] % head_dim != 0:
+            raise ValueError(f"native decode needs q of [{num_seqs}, heads * {head_dim}] (one "
+                             f"token per sequence), got {tuple(q.shape)}")
+        if block_size != meta.block_size:
+            raise ValueError(f"the KV cache has blocks of {block_size} tokens, the metadata "
+                             f"{meta.block_size}")
+        q = q.contiguous()
         num_heads = q.shape[1] // head_dim
         out = torch.empty_like(q)
         info = (ctypes.c_int64 * 2)(-1, -1)
         rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
                 tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-                num_kv_heads, head_dim, block_size, num_blocks, float(scale),
+                num_kv_heads, head_dim, block_size, num_blocks, scale,
                 ctypes.addressof(info))
         if rc != PD_OK:
             _raise(rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads, head_dim,

@@ -41,27 +41,29 @@ class _PackedLinearC:
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-        what = f"native {self.entry}"
-        if weight.format.ggml_type not in SUPPORTED_TYPES:
-            raise TypeError(f"{what} does not read {weight.format.name}")
+        qtype = weight.format.ggml_type
+        if qtype not in SUPPORTED_TYPES:
+            raise TypeError(f"native {self.entry} does not read {weight.format.name}")
         data = weight.data
-        if data.device.type != "cpu" or not data.is_contiguous():
-            raise ValueError(f"{what} needs contiguous packed rows on the CPU")
-        n, k = weight.shape
-        xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-        if xf.dim() != 2 or xf.shape[-1] != k:
-            raise ValueError(f"{what}: x of shape {tuple(x.shape)} (rows of features), the "
-                             f"weight expects {k} features")
+        if not (data.is_cpu and data.is_contiguous()):
+            raise ValueError(f"native {self.entry} needs contiguous packed rows on the CPU")
+        n, k = data.shape[0], weight.in_features
+        xf = x.contiguous() if x.dtype is torch.float32 else x.float().contiguous()
+        if xf.dim() != 2 or xf.shape[1] != k or not xf.is_cpu:
+            raise ValueError(f"native {self.entry}: x of shape {tuple(x.shape)} (rows of "
+                             f"features on the CPU), the weight expects {k} features")
         bf = None if bias is None else bias.float().contiguous()
-        out = torch.empty((xf.shape[0], n), dtype=torch.float32)
-        rc = self._fn(xf.data_ptr(), xf.shape[0], k, data.data_ptr(), n,
-                      weight.format.ggml_type, 0 if bf is None else bf.data_ptr(),
-                      out.data_ptr())
+        if bf is not None and (bf.numel() != n or not bf.is_cpu):
+            raise ValueError(f"native {self.entry}: a bias of {bf.numel()} values for {n} "
+                             "output features (on the CPU)")
+        out = xf.new_empty((xf.shape[0], n))
+        rc = self._fn(xf.data_ptr(), xf.shape[0], k, data.data_ptr(), n, qtype,
+                      0 if bf is None else bf.data_ptr(), out.data_ptr())
         if rc == 2:
-            raise MemoryError(f"{what} could not allocate its scratch buffer")
+            raise MemoryError(f"native {self.entry} could not allocate its scratch buffer")
         if rc != 0:
-            raise ValueError(f"{what} refused {weight.format.name} with K={k}")
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+            raise ValueError(f"native {self.entry} refused {weight.format.name} with K={k}")
+        return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
 class NativePackedLinear(_PackedLinearC):

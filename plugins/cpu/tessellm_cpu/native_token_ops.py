@@ -2,7 +2,9 @@
 embedding, the KV-cache write and RMSNorm (plain and fused with the residual add). For a
 decode step each is a few microseconds of arithmetic that torch spreads over several ops of
 tens of microseconds each (SmolLM2, one stream, per layer: rotary 51 us, KV write 35 us,
-fused add + norm 20 us). float32 and bfloat16; the C side checks positions and slots first."""
+fused add + norm 20 us). float32 and bfloat16; the C side checks positions and slots first.
+The wrappers are on every decode step's path (about ten calls per layer), so the common case
+(2-D tensors with contiguous rows, index tensors already int64) costs no copies or views."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +23,9 @@ RK_ERRORS = {1: "a position is outside the rotary table", 2: "a slot is outside 
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+_CONTIGUOUS = torch.contiguous_format
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as rows of contiguous features (a row-strided view passes as is)."""
     return t if t.dim() == 2 and t.stride(1) == 1 else t.reshape(t.shape[0], -1).contiguous()
@@ -28,8 +33,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _last_dim_rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, last dim] with contiguous features."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(1) == 1 else t2.contiguous()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+def _empty_rows(t: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of t's shape and dtype."""
+    return torch.empty_like(t, memory_format=_CONTIGUOUS)
 
 
 def _check(rc: int, what: str) -> None:
@@ -65,14 +81,15 @@ class NativeRotary(_Native):
             raise TypeError(f"native rotary supports float32/bfloat16 q and k, got {q.dtype}, "
                             f"{k.dtype}")
         q2, k2 = _rows(q), _rows(k)
-        pos = positions.to(torch.int64).contiguous()
-        cs = cos_sin.float().contiguous()
+        pos = _int64(positions)
+        cs = cos_sin if cos_sin.dtype is torch.float32 and cos_sin.is_contiguous() \
+            else cos_sin.float().contiguous()
         if cs.shape[-1] != head_dim or q2.shape[1] % head_dim or k2.shape[1] % head_dim:
             raise ValueError(f"native rotary: head_dim {head_dim} does not fit q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}, cos_sin {tuple(cos_sin.shape)}")
         if pos.shape[0] != q2.shape[0] or k2.shape[0] != q2.shape[0]:
             raise ValueError("native rotary: positions, q and k need one row per token")
-        q_out, k_out = torch.empty(q2.shape, dtype=q.dtype), torch.empty(k2.shape, dtype=k.dtype)
+        q_out, k_out = _empty_rows(q2), _empty_rows(k2)
         _check(fn(pos.data_ptr(), pos.shape[0], q2.data_ptr(), q2.stride(0),
                   q2.shape[1] // head_dim, k2.data_ptr(), k2.stride(0), k2.shape[1] // head_dim,
                   cs.data_ptr(), cs.shape[0], head_dim, q_out.data_ptr(), k_out.data_ptr()),
@@ -97,7 +114,7 @@ class NativeWriteKV(_Native):
                              f"block_size, head_dim] cache, got {tuple(kv_cache.shape)}")
         _, nb, hk, bs, d = kv_cache.shape
         k2, v2 = _rows(k), _rows(v)
-        slots = slot_mapping.to(torch.int64).contiguous()
+        slots = _int64(slot_mapping)
         if k2.shape[1] != hk * d or v2.shape[1] != hk * d or not (
                 k2.shape[0] == v2.shape[0] == slots.shape[0]):
             raise ValueError(f"native KV write: k {tuple(k.shape)}, v {tuple(v.shape)} and "
@@ -128,16 +145,20 @@ class NativeRmsNorm(_Native):
         x2 = _last_dim_rows(x)   # any leading dims (qwen3's per-head q/k norms: [T, heads, D])
         r2 = None if residual is None else _last_dim_rows(residual)
         w = weight.contiguous()
-        if w.shape != (x2.shape[1],) or (r2 is not None and r2.shape != x2.shape):
+        rows, feats = x2.shape
+        if w.shape != (feats,) or (r2 is not None and r2.shape != x2.shape):
             raise ValueError(f"native rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                              + ("" if residual is None else f", residual {tuple(residual.shape)}"))
-        out = torch.empty(x2.shape, dtype=x.dtype)
-        summed = None if r2 is None else torch.empty(x2.shape, dtype=x.dtype)
+        out = _empty_rows(x2)
+        summed = None if r2 is None else _empty_rows(x2)
         _check(fn(x2.data_ptr(), x2.stride(0), 0 if r2 is None else r2.data_ptr(),
-                  0 if r2 is None else r2.stride(0), w.data_ptr(), x2.shape[0], x2.shape[1],
-                  float(eps), out.data_ptr(), 0 if summed is None else summed.data_ptr()),
+                  0 if r2 is None else r2.stride(0), w.data_ptr(), rows, feats,
+                  eps, out.data_ptr(), 0 if summed is None else summed.data_ptr()),
                "rms_norm")
-        return out.view(x.shape), None if summed is None else summed.view(x.shape)
+        if x2 is not x:
+            out = out.view(x.shape)
+            summed = None if summed is None else summed.view(x.shape)
+        return out, summed
 
     def __call__(self, x, weight, eps):
         return self._run(x, None, weight, eps)[0]
@@ -170,7 +191,7 @@ class NativeSiluAndMul(_Native):
         x2 = _last_dim_rows(x)
         if x2.shape[1] % 2:
             raise ValueError(f"native silu_and_mul needs an even last dim, got {tuple(x.shape)}")
-        f = x2.shape[1] // 2
-        out = torch.empty((x2.shape[0], f), dtype=x.dtype)
-        _check(fn(x2.data_ptr(), x2.stride(0), x2.shape[0], f, out.data_ptr()), "silu_and_mul")
-        return out.view(*x.shape[:-1], f)
+        rows, f = x2.shape[0], x2.shape[1] // 2
+        out = torch.empty((rows, f), dtype=x.dtype)
+        _check(fn(x2.data_ptr(), x2.stride(0), rows, f, out.data_ptr()), "silu_and_mul")
+        return out if x2 is x else out.view(*x.shape[:-1], f)
