@@ -50,6 +50,25 @@ INLINE uint16_t f32_to_bf16(float f) {
 
 INLINE float f32_id(float x) { return x; }
 
+/* Blocks are scattered over the pool, so the hardware's stream prefetchers lose the trail at
+ * every block boundary (a block of one head is 2-16 KiB); each pass asks for the block
+ * PREFETCH_AHEAD blocks ahead while it reads the current one. */
+#define PREFETCH_AHEAD 2
+INLINE void prefetch_rows(const void *p, int64_t bytes) {
+    const char *c = (const char *)p;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+/* Prefetch the rows of tokens [t, t1) of block b + PREFETCH_AHEAD (if any) of a sequence. */
+#define PREFETCH_NEXT(base, table, b, t0, t1, BS, block_stride, D, T)                        \
+    do {                                                                                       \
+        const int64_t nb_ = (b) + PREFETCH_AHEAD, s_ = nb_ * (BS);                             \
+        if (s_ < (t1)) {                                                                       \
+            const int64_t n_ = (t1) - s_ < (BS) ? (t1) - s_ : (BS);                            \
+            prefetch_rows((base) + (int64_t)(table)[nb_] * (block_stride),                     \
+                          n_ * (D) * (int64_t)sizeof(T));                                      \
+        }                                                                                      \
+    } while (0)
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* Lane i of the result = the sum of the 16 lanes of v[i] (a transpose-and-add network: four
@@ -182,6 +201,52 @@ static float *alloc_scratch(int64_t G, int64_t chunk_len, int64_t D, int nt, siz
 /* The partial result of one work item: m[G], l[G], acc[G * D]. */
 INLINE size_t partial_floats(int64_t G, int64_t D) { return (size_t)(G * (D + 2)); }
 
+#if VEC_QK && defined(__AVX512BF16__)
+#define DP_BF16 1
+/* bfloat16 scores with AVX-512 BF16 dot products: scores[g * n + (t - t0)] = scale (q_g . k_t),
+ * 32 products of q and k (both bfloat16, as stored) per instruction, summed in float32; each
+ * block's rows 16 at a time. D % 32 == 0. */
+INLINE void scores16_dpbf16(const uint16_t *q, float scale, const uint16_t *kbase,
+                            const int32_t *table, int64_t t0, int64_t t1, int64_t G, int64_t D,
+                            int64_t BS, int64_t block_stride, float *scores) {
+    const int64_t n = t1 - t0;
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {
+        const uint16_t *kb = kbase + (int64_t)table[b] * block_stride;
+        const int64_t rows = t1 - t < BS ? t1 - t : BS;
+        PREFETCH_NEXT(kbase, table, b, t0, t1, BS, block_stride, D, uint16_t);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+            const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+            for (int64_t g = 0; g < G; ++g) {
+                const uint16_t *qg = q + g * D;
+                __m512 part[16];
+                for (int64_t r = 0; r < 16; ++r) {
+                    __m512 a = _mm512_setzero_ps();
+                    if (r < nr)
+                        for (int64_t c = 0; c < D; c += 32)
+                            a = _mm512_dpbf16_ps(
+                                a, (__m512bh)_mm512_loadu_si512(qg + c),
+                                (__m512bh)_mm512_loadu_si512(kb + (r0 + r) * D + c));
+                    part[r] = a;
+                }
+                _mm512_mask_storeu_ps(scores + g * n + (t - t0) + r0,
+                                      (__mmask16)((1u << nr) - 1u),
+                                      _mm512_mul_ps(hsum16(part), vs));
+            }
+        }
+        t += rows;
+    }
+}
+#else
+#define DP_BF16 0
+INLINE void scores16_dpbf16(const uint16_t *q, float scale, const uint16_t *kbase,
+                            const int32_t *table, int64_t t0, int64_t t1, int64_t G, int64_t D,
+                            int64_t BS, int64_t block_stride, float *scores) {
+    (void)q; (void)scale; (void)kbase; (void)table; (void)t0; (void)t1; (void)G; (void)D;
+    (void)BS; (void)block_stride; (void)scores;
+}
+#endif
+
 #if VEC_QK
 #define DEFINE_SCORES16(NAME, T, VLOAD)                                                        \
 /* scores[g * n + (t - t0)] = q_g . k_t for tokens [t0, t1), 16 rows of a block at a time. */  \
@@ -192,6 +257,7 @@ INLINE void NAME##_scores16(const float *qf, const T *kbase, const int32_t *tabl
     for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
         const T *kb = kbase + (int64_t)table[b] * block_stride;                                \
         const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
+        PREFETCH_NEXT(kbase, table, b, t0, t1, BS, block_stride, D, T);                        \
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {                                            \
             const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;                                \
             for (int64_t g = 0; g < G; ++g) {                                                  \
@@ -225,6 +291,7 @@ INLINE void NAME##_pv64(const float *scores, const T *vbase, const int32_t *tabl
             for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                   \
                 const T *vb = vbase + (int64_t)table[b] * block_stride + c;                    \
                 const int64_t rows = t1 - t < BS ? t1 - t : BS;                                \
+                if (c == 0) PREFETCH_NEXT(vbase, table, b, t0, t1, BS, block_stride, D, T);    \
                 for (int64_t r = 0; r < rows; ++r, ++t) {                                      \
                     const __m512 p = _mm512_set1_ps(scores[g * n + (t - t0)]);                 \
                     const T *v = vb + r * D;                                                   \
@@ -271,7 +338,10 @@ INLINE void NAME##_chunk(const T *q, const T *kbase, const T *vbase, const int32
     const int64_t n = t1 - t0;                                                                 \
     for (int64_t g = 0; g < G; ++g)                                                            \
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]) * scale;            \
-    if (VEC_QK && D % 16 == 0)   /* 16 rows at a time, no reduction per row */                \
+    if (DP_BF16 && sizeof(T) == 2 && D % 32 == 0)   /* bfloat16 dot products */              \
+        scores16_dpbf16((const uint16_t *)q, scale, (const uint16_t *)kbase, table, t0, t1, G,  \
+                        D, BS, block_stride, scores);                                          \
+    else if (VEC_QK && D % 16 == 0)   /* 16 rows at a time, no reduction per row */           \
         NAME##_scores16(qf, kbase, table, t0, t1, G, D, BS, block_stride, scores);             \
     else                                                                                       \
     for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
