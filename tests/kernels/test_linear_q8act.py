@@ -56,3 +56,16 @@ def test_bfloat16_input_comes_back_in_bfloat16(native):
     out = native(x, w)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref.linear_packed_q8act(x, w), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_rows_tiled_together_equal_rows_one_at_a_time(native, fmt):
+    """The kernel tiles 4 rows of x against each group of weight rows (prefill); every output
+    is computed by the same operations in the same order as for a lone row, so the two agree
+    to the bit (a row's result does not depend on the batch it came in)."""
+    g = torch.Generator().manual_seed(7)
+    w = quantize(torch.randn(11, 32 * 19, generator=g) * 0.1, FORMATS_BY_NAME[fmt])
+    x = torch.randn(10, 32 * 19, generator=g)   # two tiles of 4 and two rows after them
+    batched = native(x, w)
+    for i in range(x.shape[0]):
+        assert torch.equal(batched[i:i + 1], native(x[i:i + 1], w))

@@ -25,7 +25,8 @@
 #endif
 
 #define QK 32
-#define NR 4
+#define NR 4   /* output features per group */
+#define MR 4   /* rows of x per tile */
 #define INLINE static inline __attribute__((always_inline))
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
@@ -101,30 +102,41 @@ INLINE __m512 half_hi(__m512i words) {
     return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
 }
 
-/* One x row against weight rows n0 .. n0 + nr - 1 (4-bit, blocks read in place): res[r]. */
-INLINE void q4_rows(QRow xr, int64_t nb, const uint8_t *w, int64_t row, int qtype, int64_t n0,
-                    int nr, float *res) {
+/* Rows xr[0 .. mr - 1] of x (mr <= MR) against weight rows n0 .. n0 + nr - 1 (4-bit, blocks
+ * read in place): res[r * MR + i]. Each unpacked pair of weight blocks serves all mr rows, so
+ * a prefill reads and unpacks the weights once per MR rows instead of once per row. Per
+ * output the operations and their order are those of mr = 1, so the result does not depend
+ * on how rows are tiled. */
+INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
+                    int64_t n0, int nr, float *res) {
     const int64_t bb = qtype == Q4_1 ? 20 : 18, qoff = qtype == Q4_1 ? 4 : 2;
-    __m512 acc[NR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
     const __m256i nib = _mm256_set1_epi8(0x0f);
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        const __m512 dx = _mm512_loadu_ps(xr.dx + g), sx = _mm512_loadu_ps(xr.sx + g);
-        __m512 s[NR];
+        __m512 dx[MR], d[NR];
+        for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
         for (int r = 0; r < nr; r++) {
             const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
-            const __m512 d = half_lo(heads);
-            const __m512 m = qtype == Q4_1 ? half_hi(heads) : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-            s[r] = _mm512_mul_ps(d, dx);
-            acc[r] = _mm512_fmadd_ps(m, sx, acc[r]);   /* the offset term: m dx sum(xq) */
+            d[r] = half_lo(heads);
+            const __m512 m = qtype == Q4_1 ? half_hi(heads) : _mm512_mul_ps(d[r], _mm512_set1_ps(-8.f));
+            for (int i = 0; i < mr; i++)   /* the offset term: m dx sum(xq) */
+                acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
         }
         for (int64_t p = 0; p < ng; p += 2) {
-            const __m512i xv = _mm512_loadu_si512(xr.xq + (g + p) * QK);
             const __m512i lanes = pair_lanes((int)(p / 2), 1);
             const int has_b = p + 1 < ng;
+            __m512i xv[MR];
+            __m512 sdx[MR];   /* the scales in the dot product's lanes: d dx = (d) (dx) */
+            for (int i = 0; i < mr; i++) {
+                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
+                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
+            }
             for (int r = 0; r < nr; r++) {
+                const __m512 sd = _mm512_permutexvar_ps(lanes, d[r]);
                 const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + qoff;
                 const __m128i qa = _mm_loadu_si128((const __m128i *)a);
                 const __m128i qb = has_b ? _mm_loadu_si128((const __m128i *)(a + bb))
@@ -133,49 +145,76 @@ INLINE void q4_rows(QRow xr, int64_t nb, const uint8_t *w, int64_t row, int qtyp
                 const __m256i lo = _mm256_and_si256(q, nib);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
                 const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                         _mm512_permutexvar_ps(lanes, s[r]), acc[r]);
+                for (int i = 0; i < mr; i++) {
+                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv[i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                }
             }
         }
     }
-    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* One x row against weight rows n0 .. n0 + nr - 1 (Q8_0, blocks read in place): res[r].
- * Signed x signed through u8 x s8: |w| times x with w's sign moved onto x. */
-INLINE void q8_rows(QRow xr, int64_t nb, const uint8_t *w, int64_t row, int64_t n0, int nr,
-                    float *res) {
+/* As q4_tile for Q8_0 weights. Signed x signed through u8 x s8: |w| times x with w's sign
+ * moved onto x. */
+INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
+                    int64_t n0, int nr, float *res) {
     const int64_t bb = 34;
-    __m512 acc[NR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        const __m512 dx = _mm512_loadu_ps(xr.dx + g);
-        __m512 s[NR];
-        for (int r = 0; r < nr; r++)
-            s[r] = _mm512_mul_ps(half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm)), dx);
+        __m512 dx[MR], d[NR];
+        for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
+        for (int r = 0; r < nr; r++) d[r] = half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm));
         for (int64_t p = 0; p < ng; p += 2) {
-            const __m512i xv = _mm512_loadu_si512(xr.xq + (g + p) * QK);
             const __m512i lanes = pair_lanes((int)(p / 2), 0);
             const int has_b = p + 1 < ng;
+            __m512i xv[MR];
+            __m512 sdx[MR];
+            for (int i = 0; i < mr; i++) {
+                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
+                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
+            }
             for (int r = 0; r < nr; r++) {
+                const __m512 sd = _mm512_permutexvar_ps(lanes, d[r]);
                 const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + 2;
                 const __m256i qa = _mm256_loadu_si256((const __m256i *)a);
                 const __m256i qb = has_b ? _mm256_loadu_si256((const __m256i *)(a + bb))
                                          : _mm256_setzero_si256();
                 const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
                 const __mmask64 neg = _mm512_movepi8_mask(q);
-                const __m512i xs = _mm512_mask_sub_epi8(xv, neg, zero, xv);
-                const __m512i dot = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(q), xs);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                         _mm512_permutexvar_ps(lanes, s[r]), acc[r]);
+                const __m512i aq = _mm512_abs_epi8(q);
+                for (int i = 0; i < mr; i++) {
+                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
+                    const __m512i xs = _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]);
+                    const __m512i dot = _mm512_dpbusd_epi32(zero, aq, xs);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                }
             }
         }
     }
-    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* Rows i0 .. i0 + mr - 1 of x against weight rows n0 .. n0 + nr - 1, into out (+ bias). */
+INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uint8_t *w,
+                     int64_t row, int qtype, int64_t n0, int nr, const float *bias, float *out,
+                     int64_t N) {
+    float res[NR * MR];
+    if (qtype == Q8_0)
+        q8_tile(rows + i0, mr, nb, w, row, n0, nr, res);
+    else
+        q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res);
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < nr; r++)
+            out[(i0 + i) * N + n0 + r] = res[r * MR + i] + (bias ? bias[n0 + r] : 0.f);
 }
 
 /* Returns 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated. */
@@ -199,21 +238,15 @@ int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int
         rows[i].dx = (float *)(base + round_up(nb, 2) * QK);
         rows[i].sx = rows[i].dx + round_up(nb, 16);
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, nb, interleave, rows[i]);
 #pragma omp parallel for schedule(static)
     for (int64_t grp = 0; grp < (N + NR - 1) / NR; grp++) {
         const int64_t n0 = grp * NR;
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        float res[NR];
-        for (int64_t i = 0; i < M; i++) {
-            if (interleave)
-                q4_rows(rows[i], nb, w, row, qtype, n0, nr, res);
-            else
-                q8_rows(rows[i], nb, w, row, n0, nr, res);
-            for (int r = 0; r < nr; r++)
-                out[i * N + n0 + r] = res[r] + (bias ? bias[n0 + r] : 0.f);
-        }
+        int64_t i = 0;
+        for (; i + MR <= M; i += MR) tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, bias, out, N);
+        for (; i < M; i++) tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N);
     }
     free(rows);
     free(scratch);
