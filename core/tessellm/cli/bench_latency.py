@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tessellm.cli.bench_report import progress
+
 
 def resident_bytes() -> int | None:
     """VmRSS of this process (Linux), else None."""
@@ -57,25 +59,32 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
     parts = llm.engine.parts
     high = min(32000, parts.spec.vocab_size)
     runs = []
+    profiling = getattr(a, "profile", False)
+    bar = progress(a.runs + 1 + profiling, "bench latency")
     for r in range(a.runs + 1):  # run 0 warms up (and profiles the buckets it meets)
         ids = np.random.default_rng(a.seed + r).integers(100, high, size=a.input_len).tolist()
         res = one_stream(llm, ids, a.output_len)
         if r:
             runs.append(res)
+        bar.update()
     med = {k: round(statistics.median(x[k] for x in runs), 2) for k in runs[0]}
+    per_run = {f"{k}_runs": [round(x[k], 2) for x in runs]
+               for k in ("prefill_tok_per_s", "decode_tok_per_s")}
     profile = None
-    if getattr(a, "profile", False):   # one more run, instrumented, not in the figures above
+    if profiling:   # one more run, instrumented, not in the figures above
         from tessellm.engine.op_profile import OpProfile
         ids = np.random.default_rng(a.seed + 2000).integers(100, high, size=a.input_len).tolist()
         with OpProfile(llm.engine) as prof:
             one_stream(llm, ids, a.output_len)
         profile = prof.report()
+        bar.update()
+    bar.close()
     return {
         "workload": "W3/W4 one stream", "model": parts.source.name, "device": parts.device.name,
         "dtype": str(parts.dtype).removeprefix("torch."),
         "quantization": parts.config.quantization, "threads": torch.get_num_threads(),
         "in_len": a.input_len, "out_len": a.output_len, "runs": a.runs,
         "load_s": round(load_s, 2), "weight_bytes": parts.weight_bytes,
-        "rss_after_load_bytes": rss, **med,
+        "rss_after_load_bytes": rss, **med, **per_run,
         **({"profile": profile} if profile is not None else {}),
     }

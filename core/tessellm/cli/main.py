@@ -109,26 +109,40 @@ def cmd_conformance(a: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _report(result: dict, target) -> None:
+    """Print the bench result's JSON line; draw it into `target` (a checked PNG path) if set."""
+    print(json.dumps(result))
+    if target is not None:
+        from tessellm.cli.bench_report import plot_result
+        print(f"tessellm: figures in {plot_result(result, target)}", file=sys.stderr)
+
+
 def cmd_bench_throughput(a: argparse.Namespace) -> int:
     from tessellm.cli.bench import bench_throughput
-    print(json.dumps(bench_throughput(a, engine_options(a))))
+    from tessellm.cli.bench_report import check_plot_target
+    target = check_plot_target(a.plot)
+    _report(bench_throughput(a, engine_options(a)), target)
     return 0
 
 
 def cmd_bench_latency(a: argparse.Namespace) -> int:
     from tessellm.cli.bench_latency import bench_latency
-    print(json.dumps(bench_latency(a, engine_options(a))))
+    from tessellm.cli.bench_report import check_plot_target
+    target = check_plot_target(a.plot)
+    _report(bench_latency(a, engine_options(a)), target)
     return 0
 
 
 def cmd_bench_serve(a: argparse.Namespace) -> int:
     import asyncio
 
+    from tessellm.cli.bench_report import check_plot_target
     from tessellm.cli.bench_serve import run_bench_serve
+    target = check_plot_target(a.plot)
     result = asyncio.run(run_bench_serve(a.url, a.num_prompts, a.request_rate, a.input_len,
                                          a.output_len, seed=a.seed, model=a.model,
                                          api_key=a.api_key, vocab_size=a.vocab_size))
-    print(json.dumps(result))
+    _report(result, target)
     return 0 if result["failed"] == 0 else 1
 
 
@@ -226,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
     t.add_argument("--profile", action="store_true",
                    help="one more run, instrumented: time per op kind and per stage")
+    t.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="also draw the figures into this PNG (needs matplotlib)")
     t.set_defaults(func=cmd_bench_throughput)
     lt = bsub.add_parser("latency", help="one stream: prefill and decode tok/s, W3/W4")
     _engine_args(lt)
@@ -235,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up run")
     lt.add_argument("--profile", action="store_true",
                     help="one more run, instrumented: time per op kind and per stage")
+    lt.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="also draw the figures into this PNG (needs matplotlib)")
     lt.set_defaults(func=cmd_bench_latency)
     sv = bsub.add_parser("serve", help="online serving against a running server, workload W2")
     sv.add_argument("--url", default="http://127.0.0.1:8000")
@@ -248,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--vocab-size", type=int, default=32000,
                     help="prompt token ids are drawn below this (W2: 32000)")
+    sv.add_argument("--plot", metavar="FILE.png", default=None,
+                    help="also draw the figures into this PNG (needs matplotlib)")
     sv.set_defaults(func=cmd_bench_serve)
     from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
     add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
