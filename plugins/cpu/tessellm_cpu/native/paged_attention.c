@@ -51,23 +51,25 @@ INLINE uint16_t f32_to_bf16(float f) {
 INLINE float f32_id(float x) { return x; }
 
 /* Blocks are scattered over the pool, so the hardware's stream prefetchers lose the trail at
- * every block boundary (a block of one head is 2-16 KiB); each pass asks for the block
- * PREFETCH_AHEAD blocks ahead while it reads the current one. */
-#define PREFETCH_AHEAD 2
-INLINE void prefetch_rows(const void *p, int64_t bytes) {
-    const char *c = (const char *)p;
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
-}
-/* Prefetch the rows of tokens [t, t1) of block b + PREFETCH_AHEAD (if any) of a sequence. */
-#define PREFETCH_NEXT(base, table, b, t0, t1, BS, block_stride, D, T)                        \
+ * every block boundary (and at every 4 KiB page inside a larger block). The K and V passes
+ * keep PREFETCH_BYTES of rows asked for ahead of the 16 rows they read, following the block
+ * table: at token t they prefetch the rows of token t + PREFETCH_BYTES / row bytes on. */
+#define PREFETCH_BYTES 4096
+/* Prefetch the rows of tokens [ta, min(ta + 16, end of ta's block, t1)) of one head. */
+#define PREFETCH_ROWS(base, table, ta, t1, BS, block_stride, D, T)                            \
     do {                                                                                       \
-        const int64_t nb_ = (b) + PREFETCH_AHEAD, s_ = nb_ * (BS);                             \
-        if (s_ < (t1)) {                                                                       \
-            const int64_t n_ = (t1) - s_ < (BS) ? (t1) - s_ : (BS);                            \
-            prefetch_rows((base) + (int64_t)(table)[nb_] * (block_stride),                     \
-                          n_ * (D) * (int64_t)sizeof(T));                                      \
+        const int64_t ta_ = (ta);                                                              \
+        if (ta_ < (t1)) {                                                                      \
+            const int64_t row_ = ta_ % (BS);                                                   \
+            int64_t n_ = (BS) - row_ < 16 ? (BS) - row_ : 16;                                  \
+            n_ = (t1) - ta_ < n_ ? (t1) - ta_ : n_;                                            \
+            const char *c_ = (const char *)((base) + (int64_t)(table)[ta_ / (BS)] *            \
+                                            (block_stride) + row_ * (D));                      \
+            for (int64_t i_ = 0; i_ < n_ * (D) * (int64_t)sizeof(T); i_ += 64)                 \
+                __builtin_prefetch(c_ + i_, 0, 3);                                             \
         }                                                                                      \
     } while (0)
+#define PREFETCH_TOKENS(D, T) (PREFETCH_BYTES / ((D) * (int64_t)sizeof(T)))
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -214,9 +216,10 @@ INLINE void scores16_dpbf16(const uint16_t *q, float scale, const uint16_t *kbas
     for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {
         const uint16_t *kb = kbase + (int64_t)table[b] * block_stride;
         const int64_t rows = t1 - t < BS ? t1 - t : BS;
-        PREFETCH_NEXT(kbase, table, b, t0, t1, BS, block_stride, D, uint16_t);
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
             const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+            PREFETCH_ROWS(kbase, table, t + r0 + PREFETCH_TOKENS(D, uint16_t), t1, BS,
+                          block_stride, D, uint16_t);
             for (int64_t g = 0; g < G; ++g) {
                 const uint16_t *qg = q + g * D;
                 __m512 part[16];
@@ -257,9 +260,10 @@ INLINE void NAME##_scores16(const float *qf, const T *kbase, const int32_t *tabl
     for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
         const T *kb = kbase + (int64_t)table[b] * block_stride;                                \
         const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
-        PREFETCH_NEXT(kbase, table, b, t0, t1, BS, block_stride, D, T);                        \
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {                                            \
             const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;                                \
+            PREFETCH_ROWS(kbase, table, t + r0 + PREFETCH_TOKENS(D, T), t1, BS, block_stride, D, \
+                          T);                                                                  \
             for (int64_t g = 0; g < G; ++g) {                                                  \
                 const float *qg = qf + g * D;                                                  \
                 __m512 part[16];                                                               \
@@ -291,8 +295,10 @@ INLINE void NAME##_pv64(const float *scores, const T *vbase, const int32_t *tabl
             for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                   \
                 const T *vb = vbase + (int64_t)table[b] * block_stride + c;                    \
                 const int64_t rows = t1 - t < BS ? t1 - t : BS;                                \
-                if (c == 0) PREFETCH_NEXT(vbase, table, b, t0, t1, BS, block_stride, D, T);    \
                 for (int64_t r = 0; r < rows; ++r, ++t) {                                      \
+                    if (c == 0 && (r & 15) == 0)                                               \
+                        PREFETCH_ROWS(vbase, table, t + PREFETCH_TOKENS(D, T), t1, BS,         \
+                                      block_stride, D, T);                                     \
                     const __m512 p = _mm512_set1_ps(scores[g * n + (t - t0)]);                 \
                     const T *v = vb + r * D;                                                   \
                     a0 = _mm512_fmadd_ps(p, VLOAD(v), a0);                                     \
