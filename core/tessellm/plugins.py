@@ -29,8 +29,7 @@ Names are never taken over silently; each refusal is an error on the later plugi
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -40,9 +39,9 @@ from tessellm.graph.passes import GraphPass, default_passes
 from tessellm.kernels.registry import Kernel, KernelRegistry
 from tessellm.models.architectures import Architecture, builtin_architecture_names
 from tessellm.quant.formats import PACKED_FORMATS
+from tessellm.plugin_records import DeviceRecord, PluginRecord, describe_exception, plugin_row
 from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP, PROJECT, TessellmHookSpecs
 
-PluginStatus = Literal["loaded", "error", "refused"]
 OVERRIDES_ATTR = "TESSELLM_OVERRIDE_ARCHITECTURES"
 
 
@@ -50,39 +49,6 @@ def builtin_pass_names() -> frozenset[str]:
     """Names of the passes tessellm itself may run (fusions, quantize_<format>, dead code)."""
     return frozenset({p.name for p in default_passes()}
                      | {f"quantize_{f.name.lower()}" for f in PACKED_FORMATS.values()})
-
-
-@dataclass(slots=True)
-class DeviceRecord:
-    name: str
-    plugin: str
-    priority: int
-    available: bool
-    reason: str
-    distributed_backend: str = "gloo"   # tensor parallelism's collectives (torch.distributed)
-    # kernels the device has but does not offer here, name -> reason (kernels_not_offered())
-    not_offered: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class PluginRecord:
-    """One entry point found. `error` is None only when nothing about the plugin failed."""
-
-    name: str
-    value: str
-    version: str
-    status: PluginStatus
-    error: str | None = None
-    devices: list[DeviceRecord] = field(default_factory=list)
-    # built-in names it replaces by its own declaration (TESSELLM_OVERRIDE_ARCHITECTURES)
-    overrides: list[str] = field(default_factory=list)
-
-    def add_error(self, message: str) -> None:
-        self.error = message if self.error is None else f"{self.error}; {message}"
-
-
-def describe_exception(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _major(version: str) -> str:
@@ -388,24 +354,7 @@ class PluginManager:
         self.kernel_registry()
         self.architectures()
         self.graph_passes()
-        return [_plugin_row(r) for r in self.records]
-
-
-def _plugin_row(r: PluginRecord) -> dict[str, Any]:
-    row: dict[str, Any] = {"plugin": r.name, "value": r.value, "version": r.version,
-                           "status": r.status, "error": r.error,
-                           "devices": [_device_row(d) for d in r.devices]}
-    if r.overrides:   # only where a plugin replaces a built-in, so the usual row stays as it was
-        row["overrides"] = list(r.overrides)
-    return row
-
-
-def _device_row(d: DeviceRecord) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": d.name, "priority": d.priority, "available": d.available,
-                           "reason": d.reason, "distributed_backend": d.distributed_backend}
-    if d.not_offered:   # only where some kernel is left out, so the usual row stays as it was
-        row["kernels_not_offered"] = dict(d.not_offered)
-    return row
+        return [plugin_row(r) for r in self.records]
 
 
 def _not_offered(dev: DevicePlugin, record: PluginRecord) -> dict[str, str]:

@@ -9,7 +9,8 @@ import pytest
 
 from tessellm.errors import ConfigError, DeviceUnavailableError
 from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP
-from tessellm.plugins import PluginManager, PluginRecord
+from tessellm.plugin_records import PluginRecord
+from tessellm.plugins import PluginManager
 
 
 def ep(name: str, value: str) -> EntryPoint:
