@@ -153,7 +153,7 @@ class NativeRmsNorm(_Native):
         summed = None if r2 is None else _empty_rows(x2)
         _check(fn(x2.data_ptr(), x2.stride(0), 0 if r2 is None else r2.data_ptr(),
                   0 if r2 is None else r2.stride(0), w.data_ptr(), rows, feats,
-                  eps, out.data_ptr(), 0 if summed is None else summed.data_ptr()),
+                  float(eps), out.data_ptr(), 0 if summed is None else summed.data_ptr()),
                "rms_norm")
         if x2 is not x:
             out = out.view(x.shape)
