@@ -111,6 +111,25 @@ def test_block_id_outside_the_pool_is_refused(native: NativeDecode, bad) -> None
         native(q, cache, dataclasses.replace(meta, block_tables=tables), scale)
 
 
+def test_one_metadata_object_is_checked_once_and_again_when_a_field_changes(
+        native: NativeDecode) -> None:
+    """The wrapper checks and converts a step's tables once per metadata object (every layer
+    passes the same one); a field given a new tensor is checked again, never read stale."""
+    q, cache, meta, scale = _case([5, 40], 16, 64, torch.float32)
+    want = paged_attention(q, cache, meta, scale)
+    for _ in range(2):   # the second call reuses the checked tables
+        torch.testing.assert_close(native(q, cache, meta, scale), want, **TOL[torch.float32])
+    meta.seq_lens = meta.seq_lens.clone()
+    meta.seq_lens[1] = meta.block_tables.shape[1] * 16 + 1   # past the table
+    with pytest.raises(ValueError, match="but the block table has only 3 columns"):
+        native(q, cache, meta, scale)
+    tables = meta.block_tables.clone()
+    tables[1, 2] = cache.shape[1]
+    meta.block_tables, meta.seq_lens = tables, _with_seq_len(meta, 1, 40).seq_lens
+    with pytest.raises(ValueError, match="outside the pool"):
+        native(q, cache, meta, scale)
+
+
 def test_heads_not_a_multiple_of_kv_heads_are_refused(native: NativeDecode) -> None:
     q, cache, meta, scale = _case([5, 9], 16, 64, torch.float32, num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match="6 query heads are not a multiple of 4 KV heads"):

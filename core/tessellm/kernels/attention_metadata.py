@@ -16,7 +16,9 @@ past seq_len in a sequence's last block, and padding entries, which point at blo
 finite values; the engine zeroes blocks when they are handed out and keeps block 0 zero. Only
 slots < seq_len hold this sequence's K/V: kernels must mask the others' scores.
 The host-side lists mirror the tensors so that kernels that loop per sequence need no
-device-to-host sync.
+device-to-host sync. A metadata object describes one step: every layer gets the same object, and
+its tensors are not edited while the step runs (kernels may check and convert them once per
+object).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,8 +40,9 @@ class NativeDecode:
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._fns[dtype] = fn
         # The step's tables and lengths, checked and converted once per metadata object (every
-        # layer of a step passes the same one): (meta, tables, seq_lens).
-        self._step: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
+        # layer of a step passes the same one): (meta, its block_tables and seq_lens as given,
+        # the checked tables, the int32 lengths). A field given a new tensor is seen as new.
+        self._step: tuple[Any, ...] | None = None
 
     @staticmethod
     def supports(query: KernelQuery) -> bool:
@@ -48,8 +50,9 @@ class NativeDecode:
 
     def _step_tables(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         step = self._step
-        if step is not None and step[0] is meta:
-            return step[1], step[2]
+        if step is not None and step[0] is meta and step[1] is meta.block_tables \
+                and step[2] is meta.seq_lens:
+            return step[3], step[4]
         num_seqs = meta.num_seqs
         tables = meta.block_tables
         if tables.dim() != 2 or tables.shape[0] < num_seqs:
@@ -62,7 +65,7 @@ class NativeDecode:
             raise ValueError(f"{seq_lens.numel()} sequence lengths for {num_seqs} sequences")
         if not (tables.is_cpu and seq_lens.is_cpu):
             raise ValueError("native decode reads block tables and lengths on the CPU")
-        self._step = (meta, tables, seq_lens)
+        self._step = (meta, meta.block_tables, meta.seq_lens, tables, seq_lens)
         return tables, seq_lens
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
