@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "prefetch.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -174,6 +176,7 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
             float res[NR];
             const int64_t n0 = g * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+            prefetch_group_ahead(w, g, (N + NR - 1) / NR, NR * row, N * row);
             rows_x1(x, xs, K, w, row, qtype, n0, nr, res);
             for (int r = 0; r < nr; r++) out[n0 + r] = res[r] + (bias ? bias[n0 + r] : 0.f);
         }

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefetch.h"
 #include "vec_math.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -54,7 +55,6 @@ INLINE float f32_id(float x) { return x; }
  * every block boundary (and at every 4 KiB page inside a larger block). The K and V passes
  * keep PREFETCH_BYTES of rows asked for ahead of the 16 rows they read, following the block
  * table: at token t they prefetch the rows of token t + PREFETCH_BYTES / row bytes on. */
-#define PREFETCH_BYTES 4096
 /* Prefetch the rows of tokens [ta, min(ta + 16, end of ta's block, t1)) of one head. */
 #define PREFETCH_ROWS(base, table, ta, t1, BS, block_stride, D, T)                            \
     do {                                                                                       \
@@ -63,10 +63,8 @@ INLINE float f32_id(float x) { return x; }
             const int64_t row_ = ta_ % (BS);                                                   \
             int64_t n_ = (BS) - row_ < 16 ? (BS) - row_ : 16;                                  \
             n_ = (t1) - ta_ < n_ ? (t1) - ta_ : n_;                                            \
-            const char *c_ = (const char *)((base) + (int64_t)(table)[ta_ / (BS)] *            \
-                                            (block_stride) + row_ * (D));                      \
-            for (int64_t i_ = 0; i_ < n_ * (D) * (int64_t)sizeof(T); i_ += 64)                 \
-                __builtin_prefetch(c_ + i_, 0, 3);                                             \
+            prefetch_bytes((base) + (int64_t)(table)[ta_ / (BS)] * (block_stride) + row_ * (D),  \
+                           n_ * (D) * (int64_t)sizeof(T));                                     \
         }                                                                                      \
     } while (0)
 #define PREFETCH_TOKENS(D, T) (PREFETCH_BYTES / ((D) * (int64_t)sizeof(T)))
