@@ -12,8 +12,9 @@
  * Per block: sum_j w_j xq_j dx = dx d (q . xq) + m dx (sum xq): the integer dot product is
  * exact, the scaling is float32, so the result equals the float32 product of the two
  * dequantized operands up to rounding. Work: OpenMP over groups of NR output features; each
- * group runs every row of x (its weights stay in L1). Needs AVX-512 BW + VNNI (the build
- * fails without them, and the kernel is then not offered).
+ * group runs every row of x in tiles of MR rows (its weights stay in L1) and prefetches the
+ * group about 4 KiB ahead. Needs AVX-512 BW + VNNI (the build fails without them, and the
+ * kernel is then not offered).
  */
 #include <immintrin.h>
 #include <stdint.h>
