@@ -18,6 +18,7 @@ import copy
 import functools
 import json
 import random
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from gguf_fixtures import (NONE_ID, STORIES_GGUF, default_tokenizer_gguf,
 from hf_fixtures import (GPT2_GGUF, STORIES_260K, ModelCase, _gpt2_config, _llama_config,
                          _qwen2_config, _qwen3_config, build_hf_model)
 from logits_probe import recorded_logits
+import tessellm
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ModelLoadError, UnsupportedModelError
 from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
@@ -250,6 +252,25 @@ def test_stories260k_gguf_reference_greedy(cache_dir: Path) -> None:
                                                        ignore_eos=True))[0]
     assert out.token_ids == ref["token_ids"][len(prompt_ids):]
     assert llm.decode(prompt_ids + out.token_ids) == ref["text"]
+
+
+def test_loading_a_gguf_parses_its_header_once(monkeypatch: pytest.MonkeyPatch,
+                                               cache_dir: Path) -> None:
+    """Config, weights and tokenizer share one parsed header (a large vocabulary makes each
+    parse take seconds); transformers' own parse for the tokenizer is not counted."""
+    package = str(Path(tessellm.__file__).parent)
+    callers: list[str] = []
+    real = gguf.GGUFReader
+
+    def counting_reader(*args: Any, **kwargs: Any) -> Any:
+        callers.append(sys._getframe(1).f_code.co_filename)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    LLM(model=str(STORIES_GGUF), device="cpu", dtype="float32", load_progress=False,
+        cache_dir=str(cache_dir))
+    assert [c for c in callers if c.startswith(package)] == [
+        str(Path(package) / "models" / "gguf_file.py")]
 
 
 def test_stories260k_gguf_tokenizer_with_none_special_ids() -> None:

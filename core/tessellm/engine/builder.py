@@ -30,7 +30,7 @@ from tessellm.models.hf_files import eos_token_ids
 from tessellm.models.architectures import resolve_architecture
 from tessellm.models.sharding import check_shardable, shard_model
 from tessellm.models.loader import (checkpoint_dtype, load_model, load_source_tokenizer,
-                                    read_source_config)
+                                    open_source, read_source_config)
 from tessellm.models.source import ModelSource, resolve_model_source
 from tessellm.models.spec import ModelSpec
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
@@ -182,7 +182,8 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     plugins = plugins or PluginManager().load()
     device = plugins.select_device(config.device)
     source = model_source_of(config)
-    hf_config = read_source_config(source)
+    opened = open_source(source)   # a GGUF header, parsed once for config, weights, tokenizer
+    hf_config = read_source_config(source, opened)
     world = config.tensor_parallel_size
     if world > 1:
         check_shardable(resolve_architecture(hf_config, plugins.architectures()).spec(hf_config),
@@ -192,11 +193,12 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
             require_torch_backend(device)
         parallel = start_group(config)
         try:
-            return _build(config, plugins, extra_passes, device, source, hf_config, parallel)
+            return _build(config, plugins, extra_passes, device, source, hf_config, parallel,
+                          opened)
         except BaseException:
             parallel.shutdown()
             raise
-    return _build(config, plugins, extra_passes, device, source, hf_config, parallel)
+    return _build(config, plugins, extra_passes, device, source, hf_config, parallel, opened)
 
 
 def _threads(config: EngineConfig) -> int | None:
@@ -211,7 +213,7 @@ def _threads(config: EngineConfig) -> int | None:
 
 def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[GraphPass] | None,
            device: DevicePlugin, source: ModelSource, hf_config: dict[str, Any],
-           parallel: ParallelGroup | None) -> EngineParts:
+           parallel: ParallelGroup | None, opened: Any = None) -> EngineParts:
     threads = _threads(config)
     if threads:
         torch.set_num_threads(threads)
@@ -221,7 +223,8 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     leader = parallel is None or parallel.is_leader
     loaded = load_model(source, dtype, progress=config.load_progress and leader,
                         keep_packed=keep_packed(config, source, device, registry),
-                        extra_architectures=plugins.architectures(), config=hf_config)
+                        extra_architectures=plugins.architectures(), config=hf_config,
+                        opened=opened)
     spec = local_spec = loaded.spec
     graph = loaded.graph
     if parallel is not None:
@@ -275,7 +278,7 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     host = device.host_allocator()   # same per-layer layout; no null block on the host
     host_kv_caches = [host.allocate((2, num_host, *kv_shape), dtype)
                       for _ in range(spec.num_layers)] if num_host else []
-    tokenizer = load_source_tokenizer(source) if leader else None   # workers never decode
+    tokenizer = load_source_tokenizer(source, opened) if leader else None   # workers never decode
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches, parallel)

@@ -239,13 +239,16 @@ def _permute(w: Weight, order: torch.Tensor) -> Weight:
     return w.rows(order) if isinstance(w, PackedWeight) else w.index_select(0, order)
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool) -> GGUFModel:
+def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool,
+              reader: Any = None) -> GGUFModel:
     """Config, weights (graph names) and chat template of a GGUF file.
 
     keep_packed: Q8_0 / Q4_0 / Q4_1 matrices stay packed (PackedWeight); every other tensor,
-    and all of them when False, is dequantized to `dtype` at load.
+    and all of them when False, is dequantized to `dtype` at load. `reader`: the file's
+    open_gguf reader when the caller has one (parsing the header takes seconds: the
+    vocabulary's every token is a field part).
     """
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     config = gguf_config(reader)
     arch = metadata_field(reader, "general.architecture")
     num_layers = config.get("num_hidden_layers") or config["n_layer"]

@@ -43,8 +43,9 @@ def _write_vocab_only(reader: Any, skip: list[str], out: Path) -> None:
     writer.close()
 
 
-def load_gguf_tokenizer(path: str | Path) -> Any:
+def load_gguf_tokenizer(path: str | Path, reader: Any = None) -> Any:
     """The file's tokenizer, built by transformers from the GGUF metadata (offline).
+    `reader`: the file's open_gguf reader when the caller has one.
 
     A special-token id outside the vocabulary means "none": transformers cannot read such a
     file, so it reads a vocab-only copy without those fields (in a temporary directory)."""
@@ -52,7 +53,8 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
 
     from transformers import AutoTokenizer
     p = Path(path)
-    skip = _invalid_special_ids(open_gguf(p))
+    reader = reader if reader is not None else open_gguf(p)
+    skip = _invalid_special_ids(reader)
     try:
         if not skip:
             return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
@@ -60,7 +62,7 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
         log.info("GGUF %s: ignoring special-token ids outside the vocabulary: %s", p.name,
                  ", ".join(skip))
         with tempfile.TemporaryDirectory(prefix="tessellm-vocab-") as tmp:
-            _write_vocab_only(open_gguf(p), skip, Path(tmp) / "vocab.gguf")
+            _write_vocab_only(reader, skip, Path(tmp) / "vocab.gguf")
             return AutoTokenizer.from_pretrained(tmp, gguf_file="vocab.gguf",
                                                  local_files_only=True)
     except (OSError, ValueError, KeyError, IndexError, ImportError, TypeError) as exc:

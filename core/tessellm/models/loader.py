@@ -33,30 +33,41 @@ def checkpoint_dtype(config: dict[str, Any]) -> str | None:
     return config.get("torch_dtype") or config.get("dtype")
 
 
-def read_source_config(source: ModelSource) -> dict[str, Any]:
-    """The HF-style config of a source (a GGUF file's metadata, converted)."""
+def open_source(source: ModelSource) -> Any:
+    """What reading the source's config, weights and tokenizer can share: a GGUF file's
+    parsed header (open_gguf: seconds for a large vocabulary, so it is parsed once per load),
+    None for other kinds."""
     if source.kind == "gguf":
-        from tessellm.models.gguf_file import gguf_config, open_gguf
-        return gguf_config(open_gguf(source.path))
+        from tessellm.models.gguf_file import open_gguf
+        return open_gguf(source.path)
+    return None
+
+
+def read_source_config(source: ModelSource, opened: Any = None) -> dict[str, Any]:
+    """The HF-style config of a source (a GGUF file's metadata, converted). `opened`: the
+    source's open_source() result, if the caller has it."""
+    if source.kind == "gguf":
+        from tessellm.models.gguf_file import gguf_config
+        return gguf_config(opened if opened is not None else open_source(source))
     return read_hf_config(source.path)
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True,
                keep_packed: bool = True,
                extra_architectures: dict[str, Architecture] | None = None,
-               config: dict[str, Any] | None = None) -> LoadedModel:
+               config: dict[str, Any] | None = None, opened: Any = None) -> LoadedModel:
     """Resolve the architecture first (so an unsupported one fails before any weight is read).
 
     keep_packed: a GGUF file's Q8_0/Q4_0/Q4_1 matrices stay packed; other types (and all of
     them when False) are dequantized to `dtype`, which the log says.
     """
-    config = config if config is not None else read_source_config(source)
+    config = config if config is not None else read_source_config(source, opened)
     arch = resolve_architecture(config, extra_architectures)
     spec = arch.spec(config)
     if source.kind != "gguf":
         weights = arch.adapt_weights(load_safetensors(source.path, dtype, progress=progress), spec)
         return LoadedModel(config, spec, arch.build_graph(spec, weights), arch.build_graph)
-    gg = load_gguf(source.path, dtype, keep_packed=keep_packed)
+    gg = load_gguf(source.path, dtype, keep_packed=keep_packed, reader=opened)
     if gg.dequantized_types:
         log.info("GGUF %s: dequantized to %s at load: %s", source.path.name,
                  str(dtype).removeprefix("torch."), _counts(gg.dequantized_types))
@@ -68,11 +79,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True
                        gg.dequantized_types)
 
 
-def load_source_tokenizer(source: ModelSource) -> Any:
-    """The tokenizer of a source: a GGUF file's own (from its metadata) or the directory's."""
+def load_source_tokenizer(source: ModelSource, opened: Any = None) -> Any:
+    """The tokenizer of a source: a GGUF file's own (from its metadata) or the directory's.
+    `opened`: the source's open_source() result, if the caller has it."""
     if source.kind == "gguf":
         from tessellm.models.gguf_tokenizer import load_gguf_tokenizer
-        return load_gguf_tokenizer(source.path)
+        return load_gguf_tokenizer(source.path, opened)
     from tessellm.models.hf_files import load_tokenizer
     return load_tokenizer(source.path)
 
