@@ -278,7 +278,7 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     host = device.host_allocator()   # same per-layer layout; no null block on the host
     host_kv_caches = [host.allocate((2, num_host, *kv_shape), dtype)
                       for _ in range(spec.num_layers)] if num_host else []
-    tokenizer = load_source_tokenizer(source, opened) if leader else None   # workers never decode
+    tokenizer = load_source_tokenizer(source, opened) if leader else None  # workers never decode
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches, parallel)
