@@ -104,3 +104,23 @@ def test_embedding_rows_dequantize_to_the_compute_dtype(fmt) -> None:
     rows = embedding_packed(ids, w)
     assert rows.dtype == torch.bfloat16 and rows.shape == (4, 64)
     torch.testing.assert_close(rows, dequantize(w)[ids])
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_native_embedding_rows_equal_the_reference_to_the_bit(fmt, compute_dtype) -> None:
+    native = next(k for k in cpu_kernels("cpu") if k.name == "embedding_packed_native")
+    w = quantize(_weights(50, 96), fmt, compute_dtype)
+    ids = torch.tensor([3, 0, 49, 3, 17], dtype=torch.int32)   # any integer dtype, repeats
+    got = native.fn(ids, w)
+    assert got.dtype == compute_dtype and got.shape == (5, 96)
+    assert torch.equal(got, embedding_packed(ids.long(), w))
+    assert native.fn(torch.tensor([], dtype=torch.int64), w).shape == (0, 96)
+
+
+def test_native_embedding_refuses_an_id_outside_the_table() -> None:
+    native = next(k for k in cpu_kernels("cpu") if k.name == "embedding_packed_native")
+    w = quantize(_weights(50, 64), FORMATS[0], torch.float32)
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match=r"outside \[0, 50\)"):
+            native.fn(torch.tensor([1, bad]), w)

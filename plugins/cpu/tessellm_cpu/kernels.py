@@ -84,7 +84,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     says why, and so does `not_offered` (kernel name -> reason), which the CPU device reports
     to `tessellm plugins`. Nothing here stops the device or its other kernels."""
     from tessellm_cpu.native_attention import NativeDecode
-    from tessellm_cpu.native_linear import NativePackedLinear, NativeQ8ActLinear
+    from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
+                                            NativeQ8ActLinear)
     from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
                                                NativeSiluAndMul, NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
@@ -92,6 +93,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
               "C, reads Q8_0/Q4_0/Q4_1 blocks in place"),
              ("linear_packed_q8act", "linear_q8act_vnni", NativeQ8ActLinear,
               "C, int8 dot products (AVX-512 VNNI), Q8_0/Q4_0/Q4_1 blocks in place"),
+             ("embedding_packed", "embedding_packed_native", NativePackedEmbedding,
+              "C, the rows read dequantized to float32"),
              ("rotary_embedding", "rotary_native", NativeRotary, "C, one pass per token"),
              ("write_kv_cache", "write_kv_native", NativeWriteKV, "C, row copies; slot -1 skipped"),
              ("rms_norm", "rms_norm_native", NativeRmsNorm, "C, one pass per row"),

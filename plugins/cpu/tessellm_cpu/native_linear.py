@@ -3,7 +3,9 @@ the packed rows are read in place, activations in float32. Both kernels share on
 signature, so one wrapper serves them:
 - `NativePackedLinear` (native/linear_packed.c, op linear_packed): float32 dot products;
 - `NativeQ8ActLinear` (native/linear_q8act.c, op linear_packed_q8act): each 32-value input
-  block rounded to int8 first, then AVX-512 VNNI integer dot products."""
+  block rounded to int8 first, then AVX-512 VNNI integer dot products.
+`NativePackedEmbedding` (linear_packed.c too, op embedding_packed) dequantizes the rows it
+reads."""
 from __future__ import annotations
 
 import ctypes
@@ -76,3 +78,43 @@ class NativePackedLinear(_PackedLinearC):
 
 class NativeQ8ActLinear(_PackedLinearC):
     source, entry = NATIVE / "linear_q8act.c", "linear_q8act_f32"
+
+
+class NativePackedEmbedding:
+    """embedding_packed(ids, weight): the ids' rows dequantized to float32 in C (the reference
+    dequantizes with a dozen torch ops per call), then cast to the weight's compute dtype as
+    the reference does."""
+
+    def __init__(self) -> None:
+        native = build_library(NATIVE / "linear_packed.c")
+        self.code_hash = native.key
+        self._fn = entry_point(native, "embedding_packed_f32")
+        self._fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, ctypes.c_int, _ptr]
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(query: KernelQuery) -> bool:
+        return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and query.dim("qtype") in SUPPORTED_TYPES)
+
+    def __call__(self, ids: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        qtype = weight.format.ggml_type
+        if qtype not in SUPPORTED_TYPES:
+            raise TypeError(f"native embedding_packed does not read {weight.format.name}")
+        data = weight.data
+        if not (data.is_cpu and data.is_contiguous() and ids.is_cpu):
+            raise ValueError("native embedding_packed needs contiguous packed rows and ids on "
+                             "the CPU")
+        flat = ids.reshape(-1)
+        flat = flat if flat.dtype is torch.int64 and flat.is_contiguous() \
+            else flat.to(torch.int64).contiguous()
+        k = weight.in_features
+        out = torch.empty((flat.shape[0], k), dtype=torch.float32)
+        rc = self._fn(flat.data_ptr(), flat.shape[0], data.data_ptr(), data.shape[0], k, qtype,
+                      out.data_ptr())
+        if rc == 3:
+            raise IndexError(f"native embedding_packed: an id is outside [0, {data.shape[0]})")
+        if rc != 0:
+            raise ValueError(f"native embedding_packed refused {weight.format.name} with K={k}")
+        out = out.view(*ids.shape, k)
+        return out if weight.compute_dtype is torch.float32 else out.to(weight.compute_dtype)

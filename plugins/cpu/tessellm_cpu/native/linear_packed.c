@@ -1,5 +1,6 @@
 /* Linear over packed GGML weights (Q8_0, Q4_0, Q4_1) for the tessellm CPU plugin:
  * out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W read in its packed form, never expanded.
+ * (embedding_packed_f32 at the end: rows of such a weight, dequantized, for the embedding.)
  *
  * Layouts: x float32 [M, K] contiguous; W rows of K / 32 blocks (see tessellm.quant.formats):
  *   Q8_0 34 B: fp16 d, int8 q[32]              w = d * q
@@ -195,5 +196,41 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
         }
     }
     free(xs);
+    return 0;
+}
+
+/* Embedding rows: out[t, :] = row ids[t] of W [N, K] dequantized in float32, each weight
+ * d * q (Q8_0), d * (q - 8) (Q4_0) or d * q + m (Q4_1), a multiply then an add as the
+ * reference rounds them (C11 mode: no contraction into FMAs). Returns 0, 1 on a bad format or
+ * K, 3 when an id is outside [0, N) (nothing is written then). */
+int embedding_packed_f32(const int64_t *ids, int64_t T, const uint8_t *w, int64_t N, int64_t K,
+                         int qtype, float *out) {
+    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K % QK != 0) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return 3;
+    const int64_t nb = K / QK, bb = block_bytes(qtype);
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *row = w + ids[t] * nb * bb;
+        float *o = out + t * K;
+        for (int64_t b = 0; b < nb; b++, o += QK) {
+            const uint8_t *blk = row + b * bb;
+            const float d = f16_to_f32(blk);
+            if (qtype == Q8_0) {
+                for (int j = 0; j < QK; j++) o[j] = d * (float)(int8_t)blk[2 + j];
+            } else if (qtype == Q4_0) {
+                for (int j = 0; j < 16; j++) {
+                    o[j] = d * ((float)(blk[2 + j] & 0x0f) - 8.f);
+                    o[j + 16] = d * ((float)(blk[2 + j] >> 4) - 8.f);
+                }
+            } else {
+                const float m = f16_to_f32(blk + 2);
+                for (int j = 0; j < 16; j++) {
+                    const float lo = d * (float)(blk[4 + j] & 0x0f), hi = d * (float)(blk[4 + j] >> 4);
+                    o[j] = lo + m;
+                    o[j + 16] = hi + m;
+                }
+            }
+        }
+    }
     return 0;
 }
