@@ -66,6 +66,29 @@ def test_decode_matches_reference(native: NativeDecode, head_dim: int, block_siz
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("block_size", [1, 8, 24])
+def test_decode_with_blocks_not_a_multiple_of_16_rows(native: NativeDecode, block_size: int,
+                                                      dtype: torch.dtype) -> None:
+    """Blocks of 1, 8 and 24 rows: every block folds a row count the 16-row score groups do
+    not divide; two sequences (the context split into runs over the threads) and seven."""
+    for seq_lens in ([3 * block_size + 1, 2], [1, 5, 9, 40, 41, 17, 3 * block_size]):
+        q, cache, meta, scale = _case(seq_lens, block_size, 64, dtype, pad_columns=1)
+        torch.testing.assert_close(native(q, cache, meta, scale),
+                                   paged_attention(q, cache, meta, scale), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_one_long_sequence_split_into_runs(native: NativeDecode, dtype: torch.dtype) -> None:
+    """One sequence of 1000 tokens: its blocks are split into runs over the threads and merged;
+    the query's largest scores sit in the last run, so every earlier run is rescaled."""
+    q, cache, meta, scale = _case([1000], 16, 128, dtype, num_heads=4, num_kv_heads=4)
+    last_block = int(meta.block_tables[0, (1000 - 1) // 16])
+    cache[0, last_block, :, :7] = q.view(4, 128)[:, None, :].to(dtype) * 4   # K rows 992..998
+    torch.testing.assert_close(native(q, cache, meta, scale),
+                               paged_attention(q, cache, meta, scale), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_decode_without_grouping_and_with_int64_tables(native: NativeDecode,
                                                       dtype: torch.dtype) -> None:
     q, cache, meta, scale = _case([5, 40, 17], 16, 80, dtype, num_heads=4, num_kv_heads=4)

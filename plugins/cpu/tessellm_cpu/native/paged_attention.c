@@ -15,13 +15,18 @@
  * without ever leaving a parallel region early.
  * Grouped-query attention: query head h reads KV head h / (H / NKV).
  * Math in float32 (scores, softmax, accumulation), like the reference op; bfloat16 output is
- * rounded to nearest even. Work is split over (sequence, KV head) pairs with OpenMP, and when
- * there are fewer pairs than twice the threads, over chunks of whole blocks of each pair's
- * context too (merged after, as flash-decoding does); each item handles its G = H / NKV query
- * heads together so every K/V row is loaded once, walking blocks and then rows (no division
- * per token). The body is inlined with D = 64 and D = 128 as constants so the compiler unrolls
- * and keeps the accumulators in registers; other head sizes use the same code with D at run
- * time.
+ * rounded to nearest even.
+ *
+ * Work items are (sequence, run of whole blocks): a sequence's context is split into runs only
+ * when there are fewer sequences than twice the threads (flash-decoding; the runs' partial
+ * results are merged after). An item walks its blocks in order and, inside each block, every
+ * KV head in order, so it reads each block's K and V as two contiguous stretches of memory; it
+ * folds each (block, KV head) into the running max, sum of exp and accumulator of that head's
+ * G = H / NKV query heads (online softmax), so K and V are read once, side by side. While on
+ * a block it prefetches the next one into L2 (on an item's last block, the first block of the
+ * item its thread takes next: threads claim items from a shared counter one ahead), so memory
+ * stays busy while the arithmetic runs. The arithmetic is inlined with D = 64 and D = 128 as
+ * constants; other head sizes use the same code with D at run time.
  */
 #include <math.h>
 #include <omp.h>
@@ -48,26 +53,6 @@ INLINE uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
-
-INLINE float f32_id(float x) { return x; }
-
-/* Blocks are scattered over the pool, so the hardware's stream prefetchers lose the trail at
- * every block boundary (and at every 4 KiB page inside a larger block). The K and V passes
- * keep PREFETCH_BYTES of rows asked for ahead of the 16 rows they read, following the block
- * table: at token t they prefetch the rows of token t + PREFETCH_BYTES / row bytes on. */
-/* Prefetch the rows of tokens [ta, min(ta + 16, end of ta's block, t1)) of one head. */
-#define PREFETCH_ROWS(base, table, ta, t1, BS, block_stride, D, T)                            \
-    do {                                                                                       \
-        const int64_t ta_ = (ta);                                                              \
-        if (ta_ < (t1)) {                                                                      \
-            const int64_t row_ = ta_ % (BS);                                                   \
-            int64_t n_ = (BS) - row_ < 16 ? (BS) - row_ : 16;                                  \
-            n_ = (t1) - ta_ < n_ ? (t1) - ta_ : n_;                                            \
-            prefetch_bytes((base) + (int64_t)(table)[ta_ / (BS)] * (block_stride) + row_ * (D),  \
-                           n_ * (D) * (int64_t)sizeof(T));                                     \
-        }                                                                                      \
-    } while (0)
-#define PREFETCH_TOKENS(D, T) (PREFETCH_BYTES / ((D) * (int64_t)sizeof(T)))
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -160,32 +145,34 @@ static int check_inputs(const int32_t *block_tables, int64_t bt_stride, int64_t 
     return PD_OK;
 }
 
-/* Work items: (sequence, KV head, context chunk). A chunk is a run of whole blocks; a pair is
- * split into chunks only when there are too few pairs to keep every thread busy
- * (flash-decoding), and then each chunk leaves a partial result (max, sum of exp, unnormalized
- * accumulator per query head) that a second pass merges. */
+INLINE float f32_id(float x) { return x; }
+
+/* Work items: (sequence, run of whole blocks). A sequence is split into runs only when there
+ * are too few sequences to keep every thread busy (flash-decoding), and then each run leaves a
+ * partial result per KV head (max, sum of exp, unnormalized accumulator per query head) that
+ * a second pass merges. */
 typedef struct {
-    int64_t chunks;        /* chunks per pair */
-    int64_t chunk_blocks;  /* blocks per chunk */
+    int64_t chunks;        /* runs per sequence */
+    int64_t chunk_blocks;  /* blocks per run */
 } Split;
 
-static Split plan_split(int64_t pairs, int64_t max_len, int64_t BS, int nt) {
+static Split plan_split(int64_t seqs, int64_t max_len, int64_t BS, int nt) {
     Split sp = {1, (max_len + BS - 1) / BS};
     const int64_t blocks = sp.chunk_blocks;
-    if (pairs >= 2 * nt || blocks < 2) return sp;
-    int64_t want = (2 * nt + pairs - 1) / pairs;       /* chunks per pair for ~2 per thread */
+    if (seqs >= 2 * nt || blocks < 2) return sp;
+    int64_t want = (2 * nt + seqs - 1) / seqs;         /* runs per sequence for ~2 per thread */
     if (want > blocks) want = blocks;
     sp.chunk_blocks = (blocks + want - 1) / want;
     sp.chunks = (blocks + sp.chunk_blocks - 1) / sp.chunk_blocks;
     return sp;
 }
 
-/* Per thread: scores [G * chunk_len] and q [G * D] (floats, each part a 16-float multiple). */
-static float *alloc_scratch(int64_t G, int64_t chunk_len, int64_t D, int nt, size_t *scores_n,
-                            size_t *qf_n) {
+/* Per thread: scores [G * BS] and q [H * D] (floats, each part a 16-float multiple). */
+static float *alloc_scratch(int64_t G, int64_t BS, int64_t H, int64_t D, int nt,
+                            size_t *scores_n, size_t *qf_n) {
     size_t s, f, per, total;
-    if (__builtin_mul_overflow((size_t)G, (size_t)chunk_len, &s) ||
-        __builtin_mul_overflow((size_t)G, (size_t)D, &f) ||
+    if (__builtin_mul_overflow((size_t)G, (size_t)BS, &s) ||
+        __builtin_mul_overflow((size_t)H, (size_t)D, &f) ||
         __builtin_add_overflow(s, (size_t)15, &s) || __builtin_add_overflow(f, (size_t)15, &f))
         return NULL;
     s &= ~(size_t)15;
@@ -198,215 +185,272 @@ static float *alloc_scratch(int64_t G, int64_t chunk_len, int64_t D, int nt, siz
     return aligned_alloc(64, total);
 }
 
-/* The partial result of one work item: m[G], l[G], acc[G * D]. */
+/* The partial result of one (sequence, KV head, run): m[G], l[G], acc[G * D]. */
 INLINE size_t partial_floats(int64_t G, int64_t D) { return (size_t)(G * (D + 2)); }
+
+/* partial_floats(G, D) * count floats, or NULL if that overflows or cannot be had. */
+static float *alloc_parts(int64_t G, int64_t D, int64_t count) {
+    size_t n;
+    if (__builtin_mul_overflow(partial_floats(G, D), (size_t)count, &n) ||
+        __builtin_mul_overflow(n, sizeof(float), &n))
+        return NULL;
+    return malloc(n ? n : 1);
+}
 
 #if VEC_QK && defined(__AVX512BF16__)
 #define DP_BF16 1
-/* bfloat16 scores with AVX-512 BF16 dot products: scores[g * n + (t - t0)] = scale (q_g . k_t),
- * 32 products of q and k (both bfloat16, as stored) per instruction, summed in float32; each
- * block's rows 16 at a time. D % 32 == 0. */
-INLINE void scores16_dpbf16(const uint16_t *q, float scale, const uint16_t *kbase,
-                            const int32_t *table, int64_t t0, int64_t t1, int64_t G, int64_t D,
-                            int64_t BS, int64_t block_stride, float *scores) {
-    const int64_t n = t1 - t0;
+/* scores[g * rows + r] = scale (q_g . k_r) for `rows` contiguous rows k_r of D, with AVX-512
+ * BF16 dot products (32 products of q and k, both bfloat16 as stored, per instruction, summed
+ * in float32), 16 rows at a time. D % 32 == 0. */
+INLINE void scores_dpbf16(const uint16_t *q, float scale, const uint16_t *k, int64_t rows,
+                          int64_t G, int64_t D, float *scores) {
     const __m512 vs = _mm512_set1_ps(scale);
-    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {
-        const uint16_t *kb = kbase + (int64_t)table[b] * block_stride;
-        const int64_t rows = t1 - t < BS ? t1 - t : BS;
-        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-            const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
-            PREFETCH_ROWS(kbase, table, t + r0 + PREFETCH_TOKENS(D, uint16_t), t1, BS,
-                          block_stride, D, uint16_t);
-            for (int64_t g = 0; g < G; ++g) {
-                const uint16_t *qg = q + g * D;
-                __m512 part[16];
-                for (int64_t r = 0; r < 16; ++r) {
-                    __m512 a = _mm512_setzero_ps();
-                    if (r < nr)
-                        for (int64_t c = 0; c < D; c += 32)
-                            a = _mm512_dpbf16_ps(
-                                a, (__m512bh)_mm512_loadu_si512(qg + c),
-                                (__m512bh)_mm512_loadu_si512(kb + (r0 + r) * D + c));
-                    part[r] = a;
-                }
-                _mm512_mask_storeu_ps(scores + g * n + (t - t0) + r0,
-                                      (__mmask16)((1u << nr) - 1u),
-                                      _mm512_mul_ps(hsum16(part), vs));
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (int64_t g = 0; g < G; ++g) {
+            const uint16_t *qg = q + g * D;
+            __m512 part[16];
+            for (int64_t r = 0; r < 16; ++r) {
+                __m512 a = _mm512_setzero_ps();
+                if (r < nr)
+                    for (int64_t c = 0; c < D; c += 32)
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + c),
+                                             (__m512bh)_mm512_loadu_si512(k + (r0 + r) * D + c));
+                part[r] = a;
             }
+            _mm512_mask_storeu_ps(scores + g * rows + r0, (__mmask16)((1u << nr) - 1u),
+                                  _mm512_mul_ps(hsum16(part), vs));
         }
-        t += rows;
     }
 }
 #else
 #define DP_BF16 0
-INLINE void scores16_dpbf16(const uint16_t *q, float scale, const uint16_t *kbase,
-                            const int32_t *table, int64_t t0, int64_t t1, int64_t G, int64_t D,
-                            int64_t BS, int64_t block_stride, float *scores) {
-    (void)q; (void)scale; (void)kbase; (void)table; (void)t0; (void)t1; (void)G; (void)D;
-    (void)BS; (void)block_stride; (void)scores;
+INLINE void scores_dpbf16(const uint16_t *q, float scale, const uint16_t *k, int64_t rows,
+                          int64_t G, int64_t D, float *scores) {
+    (void)q; (void)scale; (void)k; (void)rows; (void)G; (void)D; (void)scores;
 }
 #endif
 
 #if VEC_QK
-#define DEFINE_SCORES16(NAME, T, VLOAD)                                                        \
-/* scores[g * n + (t - t0)] = q_g . k_t for tokens [t0, t1), 16 rows of a block at a time. */  \
-INLINE void NAME##_scores16(const float *qf, const T *kbase, const int32_t *table, int64_t t0, \
-                            int64_t t1, int64_t G, int64_t D, int64_t BS,                      \
-                            int64_t block_stride, float *scores) {                             \
-    const int64_t n = t1 - t0;                                                                 \
-    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
-        const T *kb = kbase + (int64_t)table[b] * block_stride;                                \
-        const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
-        for (int64_t r0 = 0; r0 < rows; r0 += 16) {                                            \
-            const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;                                \
-            PREFETCH_ROWS(kbase, table, t + r0 + PREFETCH_TOKENS(D, T), t1, BS, block_stride, D, \
-                          T);                                                                  \
-            for (int64_t g = 0; g < G; ++g) {                                                  \
-                const float *qg = qf + g * D;                                                  \
-                __m512 part[16];                                                               \
-                for (int64_t r = 0; r < 16; ++r) {                                             \
-                    __m512 a = _mm512_setzero_ps();                                            \
-                    if (r < nr)                                                                \
-                        for (int64_t c = 0; c < D; c += 16)                                    \
-                            a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c),                       \
-                                                VLOAD(kb + (r0 + r) * D + c), a);              \
-                    part[r] = a;                                                               \
-                }                                                                              \
-                _mm512_mask_storeu_ps(scores + g * n + (t - t0) + r0,                          \
-                                      (__mmask16)((1u << nr) - 1u), hsum16(part));             \
+/* acc[d] += sum over r of p[r] v_r[d] for `rows` contiguous bfloat16 rows v_r of D (D % 32 ==
+ * 0). A 64-byte load of 32 features splits into its even features (a shift) and its odd ones
+ * (a mask) as float32: two instructions for 32 features where widening loads take four. The
+ * accumulators keep even and odd features apart (even and odd rows apart too, for more
+ * independent sums) and are interleaved back into acc once at the end. */
+INLINE void pv_bf16_split(const float *p, const uint16_t *v, int64_t rows, int64_t D,
+                          float *acc) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
+                                         23);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
+#define EVEN_F32(w) _mm512_castsi512_ps(_mm512_slli_epi32((w), 16))
+#define ODD_F32(w) _mm512_castsi512_ps(_mm512_and_si512((w), top))
+    for (int64_t c = 0; c < D; c += 32) {
+        const __m512 x0 = _mm512_loadu_ps(acc + c), x1 = _mm512_loadu_ps(acc + c + 16);
+        __m512 ev = _mm512_permutex2var_ps(x0, even, x1), od = _mm512_permutex2var_ps(x0, odd, x1);
+        __m512 ev2 = _mm512_setzero_ps(), od2 = _mm512_setzero_ps();
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2) {
+            const __m512i w0 = _mm512_loadu_si512(v + r * D + c);
+            const __m512i w1 = _mm512_loadu_si512(v + (r + 1) * D + c);
+            const __m512 p0 = _mm512_set1_ps(p[r]), p1 = _mm512_set1_ps(p[r + 1]);
+            ev = _mm512_fmadd_ps(p0, EVEN_F32(w0), ev);
+            od = _mm512_fmadd_ps(p0, ODD_F32(w0), od);
+            ev2 = _mm512_fmadd_ps(p1, EVEN_F32(w1), ev2);
+            od2 = _mm512_fmadd_ps(p1, ODD_F32(w1), od2);
+        }
+        if (r < rows) {
+            const __m512i w0 = _mm512_loadu_si512(v + r * D + c);
+            const __m512 p0 = _mm512_set1_ps(p[r]);
+            ev = _mm512_fmadd_ps(p0, EVEN_F32(w0), ev);
+            od = _mm512_fmadd_ps(p0, ODD_F32(w0), od);
+        }
+        ev = _mm512_add_ps(ev, ev2);
+        od = _mm512_add_ps(od, od2);
+        _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(ev, lo, od));
+        _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(ev, hi, od));
+    }
+#undef EVEN_F32
+#undef ODD_F32
+}
+#define PV_BF16_SPLIT 1
+#else
+#define PV_BF16_SPLIT 0
+INLINE void pv_bf16_split(const float *p, const uint16_t *v, int64_t rows, int64_t D,
+                          float *acc) {
+    (void)p; (void)v; (void)rows; (void)D; (void)acc;
+}
+#endif
+
+#if VEC_QK
+#define DEFINE_ROWS(NAME, T, VLOAD)                                                            \
+/* scores[g * rows + r] = qf_g . k_r (qf already scaled), 16 rows at a time. D % 16 == 0. */   \
+INLINE void NAME##_scores16(const float *qf, const T *k, int64_t rows, int64_t G, int64_t D,  \
+                            float *scores) {                                                   \
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {                                                \
+        const int64_t nr = rows - r0 < 16 ? rows - r0 : 16;                                    \
+        for (int64_t g = 0; g < G; ++g) {                                                      \
+            const float *qg = qf + g * D;                                                      \
+            __m512 part[16];                                                                   \
+            for (int64_t r = 0; r < 16; ++r) {                                                 \
+                __m512 a = _mm512_setzero_ps();                                                \
+                if (r < nr)                                                                    \
+                    for (int64_t c = 0; c < D; c += 16)                                        \
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c),                           \
+                                            VLOAD(k + (r0 + r) * D + c), a);                   \
+                part[r] = a;                                                                   \
             }                                                                                  \
+            _mm512_mask_storeu_ps(scores + g * rows + r0, (__mmask16)((1u << nr) - 1u),       \
+                                  hsum16(part));                                               \
         }                                                                                      \
-        t += rows;                                                                             \
     }                                                                                          \
 }                                                                                              \
-INLINE float NAME##_exp_sum(float *sg, int64_t n, float mx) { return exp_shift_sum(sg, n, mx); } \
-INLINE float NAME##_max(const float *sg, int64_t n) { return max_of(sg, n); }                  \
-/* acc[g * D + d] = sum over tokens of p[g][t] v_t[d], 64 features in four registers. */       \
-INLINE void NAME##_pv64(const float *scores, const T *vbase, const int32_t *table, int64_t t0, \
-                        int64_t t1, int64_t G, int64_t D, int64_t BS, int64_t block_stride,    \
-                        float *acc) {                                                          \
-    const int64_t n = t1 - t0;                                                                 \
-    for (int64_t g = 0; g < G; ++g)                                                            \
-        for (int64_t c = 0; c < D; c += 64) {                                                  \
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                        \
-            for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                   \
-                const T *vb = vbase + (int64_t)table[b] * block_stride + c;                    \
-                const int64_t rows = t1 - t < BS ? t1 - t : BS;                                \
-                for (int64_t r = 0; r < rows; ++r, ++t) {                                      \
-                    if (c == 0 && (r & 15) == 0)                                               \
-                        PREFETCH_ROWS(vbase, table, t + PREFETCH_TOKENS(D, T), t1, BS,         \
-                                      block_stride, D, T);                                     \
-                    const __m512 p = _mm512_set1_ps(scores[g * n + (t - t0)]);                 \
-                    const T *v = vb + r * D;                                                   \
-                    a0 = _mm512_fmadd_ps(p, VLOAD(v), a0);                                     \
-                    a1 = _mm512_fmadd_ps(p, VLOAD(v + 16), a1);                                \
-                    a2 = _mm512_fmadd_ps(p, VLOAD(v + 32), a2);                                \
-                    a3 = _mm512_fmadd_ps(p, VLOAD(v + 48), a3);                                \
-                }                                                                              \
+/* acc[d] += sum over r of p[r] v_r[d] for `rows` contiguous rows v_r of D (D % 16 == 0):      \
+ * 64 features at a time in registers, even and odd rows in separate accumulators. */          \
+INLINE void NAME##_pv(const float *p, const T *v, int64_t rows, int64_t D, float *acc) {      \
+    int64_t c = 0;                                                                             \
+    for (; c + 64 <= D; c += 64) {                                                             \
+        __m512 a[4], e[4];                                                                     \
+        for (int i = 0; i < 4; ++i) { a[i] = _mm512_loadu_ps(acc + c + 16 * i);               \
+                                      e[i] = _mm512_setzero_ps(); }                            \
+        int64_t r = 0;                                                                         \
+        for (; r + 2 <= rows; r += 2) {                                                        \
+            const __m512 p0 = _mm512_set1_ps(p[r]), p1 = _mm512_set1_ps(p[r + 1]);            \
+            const T *v0 = v + r * D + c, *v1 = v0 + D;                                         \
+            for (int i = 0; i < 4; ++i) {                                                      \
+                a[i] = _mm512_fmadd_ps(p0, VLOAD(v0 + 16 * i), a[i]);                          \
+                e[i] = _mm512_fmadd_ps(p1, VLOAD(v1 + 16 * i), e[i]);                          \
             }                                                                                  \
-            float *o = acc + g * D + c;                                                        \
-            _mm512_storeu_ps(o, a0);                                                           \
-            _mm512_storeu_ps(o + 16, a1);                                                      \
-            _mm512_storeu_ps(o + 32, a2);                                                      \
-            _mm512_storeu_ps(o + 48, a3);                                                      \
         }                                                                                      \
+        if (r < rows) {                                                                        \
+            const __m512 p0 = _mm512_set1_ps(p[r]);                                            \
+            for (int i = 0; i < 4; ++i)                                                        \
+                a[i] = _mm512_fmadd_ps(p0, VLOAD(v + r * D + c + 16 * i), a[i]);               \
+        }                                                                                      \
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + c + 16 * i, _mm512_add_ps(a[i], e[i])); \
+    }                                                                                          \
+    for (; c < D; c += 16) {                                                                   \
+        __m512 a = _mm512_loadu_ps(acc + c);                                                   \
+        for (int64_t r = 0; r < rows; ++r)                                                     \
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[r]), VLOAD(v + r * D + c), a);                \
+        _mm512_storeu_ps(acc + c, a);                                                          \
+    }                                                                                          \
 }
 #else
-#define DEFINE_SCORES16(NAME, T, VLOAD)                                                        \
-INLINE void NAME##_scores16(const float *qf, const T *kbase, const int32_t *table, int64_t t0, \
-                            int64_t t1, int64_t G, int64_t D, int64_t BS,                      \
-                            int64_t block_stride, float *scores) {                             \
-    (void)qf; (void)kbase; (void)table; (void)t0; (void)t1; (void)G; (void)D; (void)BS;        \
-    (void)block_stride; (void)scores;                                                          \
+#define DEFINE_ROWS(NAME, T, VLOAD)                                                            \
+INLINE void NAME##_scores16(const float *qf, const T *k, int64_t rows, int64_t G, int64_t D,  \
+                            float *scores) {                                                   \
+    (void)qf; (void)k; (void)rows; (void)G; (void)D; (void)scores;                             \
 }                                                                                              \
-INLINE float NAME##_exp_sum(float *sg, int64_t n, float mx) {                                  \
-    (void)sg; (void)n; (void)mx; return 0.f;                                                   \
-}                                                                                              \
-INLINE float NAME##_max(const float *sg, int64_t n) { (void)sg; (void)n; return 0.f; }        \
-INLINE void NAME##_pv64(const float *scores, const T *vbase, const int32_t *table, int64_t t0, \
-                        int64_t t1, int64_t G, int64_t D, int64_t BS, int64_t block_stride,    \
-                        float *acc) {                                                          \
-    (void)scores; (void)vbase; (void)table; (void)t0; (void)t1; (void)G; (void)D; (void)BS;    \
-    (void)block_stride; (void)acc;                                                             \
+INLINE void NAME##_pv(const float *p, const T *v, int64_t rows, int64_t D, float *acc) {      \
+    (void)p; (void)v; (void)rows; (void)D; (void)acc;                                          \
+}
+INLINE float max_of(const float *sg, int64_t n) { (void)sg; (void)n; return 0.f; }
+INLINE float exp_shift_sum(float *sg, int64_t n, float mx) {
+    (void)sg; (void)n; (void)mx; return 0.f;
 }
 #endif
 
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
-/* Query heads g of one KV head over tokens [t0, t1) (whole blocks from block t0 / BS): m[g]    \
- * the max score, l[g] the sum of exp(score - m), acc the sum of exp(score - m) * v. */          \
-INLINE void NAME##_chunk(const T *q, const T *kbase, const T *vbase, const int32_t *table,    \
-                         int64_t t0, int64_t t1, int64_t G, int64_t D, int64_t BS,              \
-                         int64_t block_stride, float scale, float *scores, float *qf,           \
-                         float *m, float *l, float *acc) {                                      \
-    const int64_t n = t1 - t0;                                                                 \
-    for (int64_t g = 0; g < G; ++g)                                                            \
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = LOAD(q[g * D + d]) * scale;            \
+/* Fold `rows` contiguous rows of one block of one KV head (k, v) into the running state of    \
+ * its G query heads: m[g] the max score so far, l[g] the sum of exp(score - m[g]), acc[g * D]  \
+ * the sum of exp(score - m[g]) v. */                                                          \
+INLINE void NAME##_fold(const T *q, const float *qf, const T *k, const T *v, int64_t rows,    \
+                        int64_t G, int64_t D, float scale, float *scores, float *m, float *l,   \
+                        float *acc) {                                                          \
+    const int vec = VEC_QK && D % 16 == 0;                                                     \
     if (DP_BF16 && sizeof(T) == 2 && D % 32 == 0)   /* bfloat16 dot products */              \
-        scores16_dpbf16((const uint16_t *)q, scale, (const uint16_t *)kbase, table, t0, t1, G,  \
-                        D, BS, block_stride, scores);                                          \
-    else if (VEC_QK && D % 16 == 0)   /* 16 rows at a time, no reduction per row */           \
-        NAME##_scores16(qf, kbase, table, t0, t1, G, D, BS, block_stride, scores);             \
+        scores_dpbf16((const uint16_t *)q, scale, (const uint16_t *)k, rows, G, D, scores);    \
+    else if (vec)                                                                              \
+        NAME##_scores16(qf, k, rows, G, D, scores);                                            \
     else                                                                                       \
-    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
-        const T *kb = kbase + (int64_t)table[b] * block_stride;                                \
-        const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
-        for (int64_t r = 0; r < rows; ++r, ++t) {                                              \
-            const T *k = kb + r * D;                                                           \
+        for (int64_t r = 0; r < rows; ++r)                                                     \
             for (int64_t g = 0; g < G; ++g) {                                                  \
                 const float *qg = qf + g * D;                                                  \
+                const T *kr = k + r * D;                                                       \
                 float s = 0.f;                                                                 \
                 _Pragma("omp simd reduction(+:s)")                                             \
-                for (int64_t d = 0; d < D; ++d) s += qg[d] * LOAD(k[d]);                       \
-                scores[g * n + (t - t0)] = s;                                                  \
+                for (int64_t d = 0; d < D; ++d) s += qg[d] * LOAD(kr[d]);                      \
+                scores[g * rows + r] = s;                                                      \
             }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
     for (int64_t g = 0; g < G; ++g) {                                                          \
-        float *sg = scores + g * n, mx = sg[0], sum = 0.f;                                     \
-        if (VEC_QK) {                                                                          \
-            mx = NAME##_max(sg, n);                                                            \
-            sum = NAME##_exp_sum(sg, n, mx);                                                   \
-        } else {                                                                               \
-            for (int64_t i = 1; i < n; ++i) mx = sg[i] > mx ? sg[i] : mx;                      \
-            for (int64_t i = 0; i < n; ++i) { sg[i] = exp_nonpos(sg[i] - mx); sum += sg[i]; } \
+        float *sg = scores + g * rows, *ag = acc + g * D, mx = sg[0];                          \
+        if (VEC_QK) mx = max_of(sg, rows);                                                     \
+        else for (int64_t r = 1; r < rows; ++r) mx = sg[r] > mx ? sg[r] : mx;                  \
+        if (mx > m[g]) {   /* a new max: rescale what is summed so far (exp(-inf) = 0) */     \
+            const float alpha = exp_nonpos(m[g] - mx);                                         \
+            l[g] *= alpha;                                                                     \
+            _Pragma("omp simd")                                                                \
+            for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;                                    \
+            m[g] = mx;                                                                         \
         }                                                                                      \
-        m[g] = mx;                                                                             \
-        l[g] = sum;                                                                            \
-    }                                                                                          \
-    if (VEC_QK && D % 64 == 0) {  /* accumulators in registers, 64 features at a time */      \
-        NAME##_pv64(scores, vbase, table, t0, t1, G, D, BS, block_stride, acc);               \
-        return;                                                                                \
-    }                                                                                          \
-    memset(acc, 0, sizeof(float) * (size_t)(G * D));                                           \
-    for (int64_t b = t0 / BS, t = t0; t < t1; ++b) {                                           \
-        const T *vb = vbase + (int64_t)table[b] * block_stride;                                \
-        const int64_t rows = t1 - t < BS ? t1 - t : BS;                                        \
-        for (int64_t r = 0; r < rows; ++r, ++t) {                                              \
-            const T *v = vb + r * D;                                                           \
-            for (int64_t g = 0; g < G; ++g) {                                                  \
-                const float p = scores[g * n + (t - t0)];                                      \
-                float *ag = acc + g * D;                                                       \
+        if (VEC_QK) {                                                                          \
+            l[g] += exp_shift_sum(sg, rows, m[g]);                                             \
+        } else {                                                                               \
+            for (int64_t r = 0; r < rows; ++r) { sg[r] = exp_nonpos(sg[r] - m[g]); l[g] += sg[r]; } \
+        }                                                                                      \
+        if (PV_BF16_SPLIT && sizeof(T) == 2 && D % 32 == 0) {                                  \
+            pv_bf16_split(sg, (const uint16_t *)v, rows, D, ag);                               \
+        } else if (vec) {                                                                      \
+            NAME##_pv(sg, v, rows, D, ag);                                                     \
+        } else {                                                                               \
+            for (int64_t r = 0; r < rows; ++r) {                                               \
+                const float pr = sg[r];                                                        \
+                const T *vr = v + r * D;                                                       \
                 _Pragma("omp simd")                                                            \
-                for (int64_t d = 0; d < D; ++d) ag[d] += p * LOAD(v[d]);                       \
+                for (int64_t d = 0; d < D; ++d) ag[d] += pr * LOAD(vr[d]);                     \
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
-INLINE void NAME##_item(const T *q, const T *kp, const T *vp, const int32_t *table, int64_t t0, \
-                        int64_t t1, int64_t G, int64_t D, int64_t BS, int64_t block_stride,     \
-                        float scale, float *scores, float *qf, float *part) {                  \
-    float *m = part, *l = part + G, *acc = part + 2 * G;                                       \
+/* One work item: run c of sequence b, every KV head, into the partials of (b, kvh, c).         \
+ * pf_next: the block to prefetch after this item's last (-1: none), pf_next_rows its rows. */ \
+INLINE void NAME##_run(const T *q, const T *kv, const T *vbase, const int32_t *table,         \
+                       int64_t t0, int64_t t1, int64_t H, int64_t NKV, int64_t D, int64_t BS,  \
+                       float scale, int64_t pf_next, int64_t pf_next_rows, float *scores,      \
+                       float *qf, float *part0, size_t kvh_stride) {                           \
+    const int64_t G = H / NKV, head_stride = BS * D, block_stride = NKV * head_stride;         \
+    if (!(DP_BF16 && sizeof(T) == 2 && D % 32 == 0))                                           \
+        for (int64_t i = 0; i < H * D; ++i) qf[i] = LOAD(q[i]) * scale;                        \
+    for (int64_t j = t0 / BS; j * BS < t1; ++j) {                                              \
+        const int64_t rows = t1 - j * BS < BS ? t1 - j * BS : BS;                              \
+        const int64_t blk = table[j];                                                          \
+        const int last = (j + 1) * BS >= t1;                                                   \
+        const int64_t pf = last ? pf_next : table[j + 1];                                      \
+        const int64_t pf_rows = last ? pf_next_rows                                            \
+                                     : (t1 - (j + 1) * BS < BS ? t1 - (j + 1) * BS : BS);      \
+        for (int64_t kvh = 0; kvh < NKV; ++kvh) {                                              \
+            const int64_t off = kvh * head_stride;                                             \
+            if (pf >= 0) {                                                                     \
+                prefetch_bytes_l2(kv + pf * block_stride + off, pf_rows * D * (int64_t)sizeof(T)); \
+                prefetch_bytes_l2(vbase + pf * block_stride + off,                             \
+                                  pf_rows * D * (int64_t)sizeof(T));                           \
+            }                                                                                  \
+            float *part = part0 + (size_t)kvh * kvh_stride;                                    \
+            NAME##_fold(q + kvh * G * D, qf + kvh * G * D, kv + blk * block_stride + off,       \
+                        vbase + blk * block_stride + off, rows, G, D, scale, scores, part,      \
+                        part + G, part + 2 * G);                                               \
+        }                                                                                      \
+    }                                                                                          \
+}                                                                                              \
+                                                                                               \
+INLINE void NAME##_run_d(const T *q, const T *kv, const T *vbase, const int32_t *table,       \
+                         int64_t t0, int64_t t1, int64_t H, int64_t NKV, int64_t D, int64_t BS, \
+                         float scale, int64_t pf_next, int64_t pf_next_rows, float *scores,    \
+                         float *qf, float *part0, size_t kvh_stride) {                         \
     if (D == 64)                                                                               \
-        NAME##_chunk(q, kp, vp, table, t0, t1, G, 64, BS, block_stride, scale, scores, qf, m, \
-                     l, acc);                                                                  \
+        NAME##_run(q, kv, vbase, table, t0, t1, H, NKV, 64, BS, scale, pf_next, pf_next_rows, \
+                   scores, qf, part0, kvh_stride);                                             \
     else if (D == 128)                                                                         \
-        NAME##_chunk(q, kp, vp, table, t0, t1, G, 128, BS, block_stride, scale, scores, qf, m, \
-                     l, acc);                                                                  \
+        NAME##_run(q, kv, vbase, table, t0, t1, H, NKV, 128, BS, scale, pf_next, pf_next_rows, \
+                   scores, qf, part0, kvh_stride);                                             \
     else                                                                                       \
-        NAME##_chunk(q, kp, vp, table, t0, t1, G, D, BS, block_stride, scale, scores, qf, m,  \
-                     l, acc);                                                                  \
+        NAME##_run(q, kv, vbase, table, t0, t1, H, NKV, D, BS, scale, pf_next, pf_next_rows,  \
+                   scores, qf, part0, kvh_stride);                                             \
 }                                                                                              \
                                                                                                \
 int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride,             \
@@ -416,35 +460,53 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
     const int rc = check_inputs(block_tables, bt_stride, bt_cols, seq_lens, B, H, NKV, D, BS,  \
                                 NB, info, &max_len);                                           \
     if (rc != PD_OK || B == 0) return rc;                                                      \
-    const int64_t G = H / NKV, block_stride = NKV * BS * D, pairs = B * NKV;                   \
-    const T *vbase = kv + NB * BS * NKV * D;                                                   \
+    const int64_t G = H / NKV, pairs = B * NKV;                                                \
+    const T *vbase = kv + NB * NKV * BS * D;                                                   \
     const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;                      \
-    const Split sp = plan_split(pairs, max_len, BS, nt);                                       \
-    const int64_t chunk_len = sp.chunk_blocks * BS < max_len ? sp.chunk_blocks * BS : max_len; \
+    const Split sp = plan_split(B, max_len, BS, nt);                                           \
+    const int64_t items = B * sp.chunks;                                                       \
     /* scratch for every thread and every partial result, taken before the parallel region: \
      * a failed allocation returns here, never inside the OpenMP team */                      \
     size_t scores_n, qf_n;                                                                     \
-    float *scratch = alloc_scratch(G, chunk_len > 0 ? chunk_len : 1, D, nt, &scores_n, &qf_n); \
-    float *parts = malloc(sizeof(float) * partial_floats(G, D) * (size_t)(pairs * sp.chunks)); \
+    float *scratch = alloc_scratch(G, BS, H, D, nt, &scores_n, &qf_n);                         \
+    float *parts = scratch ? alloc_parts(G, D, pairs * sp.chunks) : NULL;                      \
     if (!scratch || !parts) { free(scratch); free(parts); return PD_ERR_ALLOC; }               \
     const size_t per_thread = scores_n + qf_n, per_part = partial_floats(G, D);                \
+    int64_t next_item = 0;   /* items are claimed in order from this counter, one ahead */    \
     _Pragma("omp parallel num_threads(nt)")                                                    \
     {                                                                                          \
         float *scores = scratch + (size_t)omp_get_thread_num() * per_thread;                   \
         float *qf = scores + scores_n;                                                         \
-        _Pragma("omp for schedule(dynamic, 1)")                                                \
-        for (int64_t item = 0; item < pairs * sp.chunks; ++item) {                             \
-            const int64_t pair = item / sp.chunks, c = item % sp.chunks;                       \
-            const int64_t b = pair / NKV, kvh = pair % NKV, L = seq_lens[b];                   \
+        int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);                    \
+        while (item < items) {                                                                 \
+            const int64_t following = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);     \
+            const int64_t b = item / sp.chunks, c = item % sp.chunks, L = seq_lens[b];         \
             const int64_t t0 = c * sp.chunk_blocks * BS;                                       \
             const int64_t t1 = t0 + sp.chunk_blocks * BS < L ? t0 + sp.chunk_blocks * BS : L;  \
-            float *part = parts + (size_t)item * per_part;                                     \
-            if (t0 >= t1) { part[0] = -INFINITY; continue; }  /* nothing of this sequence */   \
-            NAME##_item(q + (b * H + kvh * G) * D, kv + kvh * BS * D, vbase + kvh * BS * D,    \
-                        block_tables + b * bt_stride, t0, t1, G, D, BS, block_stride, scale,   \
-                        scores, qf, part);                                                     \
+            float *part0 = parts + (size_t)(b * NKV * sp.chunks + c) * per_part;               \
+            const size_t kvh_stride = (size_t)sp.chunks * per_part;                            \
+            for (int64_t kvh = 0; kvh < NKV; ++kvh) {  /* empty: m = -inf, l = 0, acc = 0 */   \
+                float *part = part0 + (size_t)kvh * kvh_stride;                                \
+                for (int64_t g = 0; g < G; ++g) part[g] = -INFINITY;                           \
+                memset(part + G, 0, sizeof(float) * (size_t)(G * (D + 1)));                    \
+            }                                                                                  \
+            int64_t pf_next = -1, pf_next_rows = 0;                                            \
+            if (following < items) {                                                           \
+                const int64_t b2 = following / sp.chunks, c2 = following % sp.chunks;         \
+                const int64_t s0 = c2 * sp.chunk_blocks * BS, L2 = seq_lens[b2];               \
+                if (s0 < L2) {                                                                 \
+                    pf_next = block_tables[b2 * bt_stride + s0 / BS];                          \
+                    pf_next_rows = L2 - s0 < BS ? L2 - s0 : BS;                                \
+                }                                                                              \
+            }                                                                                  \
+            if (t0 < t1)                                                                       \
+                NAME##_run_d(q + b * H * D, kv, vbase, block_tables + b * bt_stride, t0, t1,   \
+                             H, NKV, D, BS, scale, pf_next, pf_next_rows, scores, qf, part0,   \
+                             kvh_stride);                                                      \
+            item = following;                                                                  \
         }                                                                                      \
-        /* merge each pair's chunks (the implicit barrier above: all partials are written) */  \
+        _Pragma("omp barrier")   /* every partial is written */                                \
+        /* merge each (sequence, KV head)'s runs */                                            \
         _Pragma("omp for schedule(static)")                                                    \
         for (int64_t pair = 0; pair < pairs; ++pair) {                                         \
             const int64_t b = pair / NKV, kvh = pair % NKV;                                    \
@@ -454,14 +516,14 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
                 float mx = -INFINITY;                                                          \
                 for (int64_t c = 0; c < sp.chunks; ++c) {                                      \
                     const float *pc = first + (size_t)c * per_part;                            \
-                    if (pc[0] != -INFINITY && pc[g] > mx) mx = pc[g];                          \
+                    if (pc[g] > mx) mx = pc[g];                                                \
                 }                                                                              \
                 float *o = qf;   /* this thread's scratch: the merged accumulator */           \
                 float sum = 0.f;                                                               \
                 for (int64_t d = 0; d < D; ++d) o[d] = 0.f;                                    \
                 for (int64_t c = 0; c < sp.chunks && mx != -INFINITY; ++c) {                   \
                     const float *pc = first + (size_t)c * per_part;                            \
-                    if (pc[0] == -INFINITY) continue;                                          \
+                    if (pc[g] == -INFINITY) continue;   /* a run with nothing in it */         \
                     const float w = exp_nonpos(pc[g] - mx);                                    \
                     sum += w * pc[G + g];                                                      \
                     const float *ac = pc + 2 * G + g * D;                                      \
@@ -479,11 +541,11 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
 }
 
 #if VEC_QK
-DEFINE_SCORES16(paged_decode_f32, float, vload_f32)
-DEFINE_SCORES16(paged_decode_bf16, uint16_t, vload_bf16)
+DEFINE_ROWS(paged_decode_f32, float, vload_f32)
+DEFINE_ROWS(paged_decode_bf16, uint16_t, vload_bf16)
 #else
-DEFINE_SCORES16(paged_decode_f32, float, (void))
-DEFINE_SCORES16(paged_decode_bf16, uint16_t, (void))
+DEFINE_ROWS(paged_decode_f32, float, (void))
+DEFINE_ROWS(paged_decode_bf16, uint16_t, (void))
 #endif
 DEFINE_DECODE(paged_decode_f32, float, f32_id, f32_id)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -15,6 +15,13 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+/* Every cache line of [p, p + bytes), into L2 only (for data wanted a block of work later,
+ * which asking for it in L1 would push out what is read now). */
+static inline void prefetch_bytes_l2(const void *p, int64_t bytes) {
+    const char *c = (const char *)p;
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
 /* Work split into `groups` consecutive groups of `group_bytes` each (`total` bytes in all):
  * while on group g, prefetch the group about PREFETCH_BYTES ahead (the next one if a group is
  * larger), clipped at the end. */
