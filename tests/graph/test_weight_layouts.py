@@ -120,3 +120,53 @@ def test_a_bucket_chosen_after_adoption_fails_clearly() -> None:
     site._by_bucket.clear()
     with pytest.raises(KernelError, match="plain weight"):
         site(torch.zeros(1, 32), None)
+
+
+# a second layout: the same transposed weight under another name (so another prepared form)
+TRANSPOSED_TOO = WeightLayout("transposed_too", lambda w: w.t().contiguous())
+LINEAR_DIMS = (("bias", 0), ("in_features", 8), ("out_features", 6))
+
+
+def _two_layout_site(times_us: dict[int, dict[str, float]]) -> KernelSite:
+    """A linear site over a plain kernel and two layout kernels, with each bucket's profile
+    decided in advance: times_us[bucket][kernel name] (what the profiler would have timed)."""
+    from tessellm.kernels.profiler import Candidate, Decision
+    registry = _registry()
+    registry.register(Kernel("linear", "linear_t2", linear_transposed, REF_DEVICE,
+                             weight_layout=TRANSPOSED_TOO))
+    selector = _selector(registry, "profile")
+    for bucket, times in times_us.items():
+        query = KernelQuery("linear", torch.float32, bucket, LINEAR_DIMS)
+        ranking = sorted((Candidate(name, us, True) for name, us in times.items()),
+                         key=lambda c: c.best_us)
+        candidates = selector.registry.candidates(REF_DEVICE, query)
+        selector.cache.put(selector.cache_key(query, candidates),
+                           Decision(ranking[0].name, ranking))
+    site = KernelSite("linear", torch.float32, LINEAR_DIMS, selector)
+    for bucket in times_us:
+        site.fn_for(bucket)
+    return site
+
+
+def test_mixed_layouts_unify_on_the_one_that_loses_least() -> None:
+    """Bucket 1 prefers linear_t (10 us against linear_t2's 30: a 3x loss for linear_t2's
+    layout), buckets 2 and 4 prefer linear_t2 by 1.2x each: linear_t2's layout loses 3.0,
+    linear_t's 2.4 summed, so every bucket moves to linear_t's layout."""
+    site = _two_layout_site({1: {"ref_linear": 50, "linear_t": 10, "linear_t2": 30},
+                             2: {"ref_linear": 50, "linear_t": 12, "linear_t2": 10},
+                             4: {"ref_linear": 50, "linear_t": 12, "linear_t2": 10}})
+    assert {b: k.name for b, k in site._kernels.items()} == {1: "linear_t", 2: "linear_t2",
+                                                             4: "linear_t2"}
+    site.unify_layout()
+    assert {b: k.name for b, k in site._kernels.items()} == {1: "linear_t", 2: "linear_t",
+                                                             4: "linear_t"}
+    x, w = torch.randn(3, 8), torch.randn(6, 8)
+    torch.testing.assert_close(site.fn_for(2)(x, w), x @ w.t())
+
+
+def test_slowdown_is_a_ratio_to_the_fastest_correct_kernel() -> None:
+    site = _two_layout_site({8: {"ref_linear": 40, "linear_t": 10, "linear_t2": 25}})
+    query = KernelQuery("linear", torch.float32, 8, LINEAR_DIMS)
+    assert site.selector.slowdown(query, lambda k: k.weight_layout == TRANSPOSED_TOO) == 2.5
+    assert site.selector.slowdown(query, lambda k: k.weight_layout is None) == 4.0
+    assert site.selector.slowdown(query, lambda k: k.name == "absent") == float("inf")

@@ -90,17 +90,27 @@ class KernelSite:
                 self._kernels[bucket].name)
 
     def unify_layout(self) -> None:
-        """Make every chosen bucket read one weight form, so the site never holds two: the
-        buckets that chose a plain kernel take the fastest correct kernel of the layout the
-        others read; if some bucket has none, every bucket goes back to plain kernels."""
+        """Make every chosen bucket read one weight form, so the site never holds two. Of the
+        layouts the buckets chose, the one whose kernels lose least against each bucket's own
+        choice (time ratios summed over the buckets; ties by name) takes every bucket, each
+        on its fastest correct kernel of that layout; if no layout serves every bucket,
+        every bucket goes back to plain kernels."""
         layouts = {k.weight_layout for k in self._kernels.values()}
         if len(layouts) < 2:
             return
-        layout = next(lay for lay in layouts if lay is not None)
-        if not self._rebind(lambda k: k.weight_layout == layout, dry_run=True):
+        options = sorted((lay for lay in layouts if lay is not None), key=lambda lay: lay.name)
+        cost, layout = min(((self._layout_cost(lay), i), lay) for i, lay in enumerate(options))
+        if cost[0] == float("inf"):
             self.use_plain()
             return
         self._rebind(lambda k: k.weight_layout == layout)
+
+    def _layout_cost(self, layout: WeightLayout) -> float:
+        """Summed over the chosen buckets: how many times slower the layout's best kernel is
+        than the bucket's best of all (inf if some bucket has none)."""
+        return sum(self.selector.slowdown(KernelQuery(self.op, self.dtype, b, self.dims),
+                                          lambda k: k.weight_layout == layout)
+                   for b in self._kernels)
 
     def use_plain(self) -> None:
         """Every bucket on its fastest plain-weight kernel (a shared weight stays plain)."""

@@ -273,6 +273,23 @@ class KernelSelector:
                 return by_name[c.name]
         return None
 
+    def slowdown(self, query: KernelQuery, accept: Callable[[Kernel], bool]) -> float:
+        """How many times slower the fastest correct candidate `accept` takes is than the
+        fastest correct candidate of all (>= 1); inf if it takes none. 1.0 for any it takes
+        when the policy does not profile (no times to compare)."""
+        candidates = self.registry.candidates(self.device_name, query)
+        if not any(accept(k) for k in candidates):
+            return float("inf")
+        if self.policy != "profile":
+            return 1.0
+        by_name = {k.name: k for k in candidates}
+        timed = [(c.best_us, accept(by_name[c.name])) for c in self.decide(query).ranking
+                 if c.correct and c.best_us is not None and c.name in by_name]
+        taken = [us for us, ok in timed if ok]
+        if not taken:
+            return float("inf")
+        return min(taken) / max(min(us for us, _ in timed), 1e-9)
+
     def cache_key(self, query: KernelQuery, candidates: list[Kernel]) -> str:
         """Device, identity, query and each candidate as name@code-hash: a kernel whose code
         changed under the same name (an edited plugin, a rebuilt C kernel) is profiled again."""

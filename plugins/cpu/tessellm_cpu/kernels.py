@@ -102,6 +102,21 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
               "C, add and norm in one pass per row"),
              ("silu_and_mul", "silu_and_mul_native", NativeSiluAndMul,
               "C, one pass per row"))
+    return _built_kernels(specs, device, not_offered)
+
+
+def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
+    """The AMX linear where this machine has AMX (it reads its weight in a layout of its own,
+    so it comes after the plain kernels, like oneDNN's)."""
+    from tessellm_cpu.native_amx import NativeAmxLinear
+    return _built_kernels((("linear", "linear_amx_native", NativeAmxLinear,
+                            "C, AMX bf16 tiles, weight packed once"),), device, not_offered)
+
+
+def _built_kernels(specs, device: str, not_offered: dict[str, str] | None) -> list[Kernel]:
+    """A Kernel for each (op, name, build, description) whose build() succeeds; one that
+    fails is named in `not_offered` with why, and a warning says so. The built object gives
+    `supports`, and its `weight_layout` when it reads its weight in a form of its own."""
     out = []
     for op, name, build, description in specs:
         try:
@@ -112,7 +127,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
             why = f"{type(e).__name__}: {e}"
         else:
             out.append(Kernel(op=op, name=name, fn=fn, device=device, supports=fn.supports,
-                              description=description))
+                              description=description,
+                              weight_layout=getattr(fn, "weight_layout", None)))
             continue
         log.warning("tessellm_cpu: native kernel %s unavailable, not offered: %s", name, why)
         if not_offered is not None:
@@ -153,4 +169,4 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
         k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
         k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
-    ] + onednn_kernels(device, not_offered)
+    ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered)

@@ -1,0 +1,180 @@
+/* bfloat16 linear y = x @ W^T (+ bias) on AMX tiles, for the tessellm CPU plugin.
+ *
+ * The weight [N, K] is packed once (amx_pack_bf16) into the B-tile form TDPBF16PS reads: for
+ * each strip of 32 output features and each block of 32 inputs, two 16 x 64-byte tiles (16
+ * features each), row r holding the pairs (W[n][k0 + 2r], W[n][k0 + 2r + 1]) of its 16
+ * features. A strip's blocks are contiguous, so a thread streams its strips front to back.
+ *
+ * amx_linear_bf16: x [M, K] contiguous bfloat16, y [M, N] bfloat16, float32 sums, the bias
+ * (bfloat16, or NULL) added in float32 before the one rounding to nearest even. Rows go in
+ * groups of 32 (two A tiles; a group of at most 16 rows uses one), a group against a strip
+ * in four float32 C tiles; the last partial group is read from a zero-padded copy. Rows are
+ * taken in blocks whose x fits in L2 (x_block_rows), every thread walks its own contiguous
+ * range of strips for each block and prefetches the strip data a few KiB ahead on the first
+ * group of a block (later groups find it in L2). Threads share nothing, so there is one
+ * parallel region and no barrier; each configures its tiles on entry and releases them on
+ * exit. K and N must be multiples of 32 (AMX_ERR_SHAPE otherwise); the scratch copy is
+ * allocated before the parallel region (AMX_ERR_ALLOC, nothing written).
+ *
+ * amx_enable asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) for this
+ * process; without it the first tile instruction faults. AMX_ERR_UNAVAILABLE when the build
+ * has no AMX (the compiler's -march=native did not report it) or the kernel refuses.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "prefetch.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+enum { AMX_OK = 0, AMX_ERR_SHAPE = 1, AMX_ERR_ALLOC = 2, AMX_ERR_UNAVAILABLE = 3 };
+
+#define STRIP 32                 /* output features per strip (two B tiles) */
+#define KBLOCK 32                /* inputs per tile step */
+#define STRIP_BLOCK (STRIP * KBLOCK)   /* bf16 values of one (strip, k block) */
+#define X_BLOCK_BYTES (512 * 1024)
+
+int amx_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
+    if (N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
+    const int64_t strips = N / STRIP, kbs = K / KBLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < strips; ++s)
+        for (int64_t kb = 0; kb < kbs; ++kb) {
+            uint16_t *dst = packed + (s * kbs + kb) * STRIP_BLOCK;
+            for (int t = 0; t < 2; ++t)
+                for (int r = 0; r < 16; ++r)
+                    for (int n = 0; n < 16; ++n) {
+                        const uint16_t *src = w + (s * STRIP + t * 16 + n) * K + kb * KBLOCK + 2 * r;
+                        uint16_t *d = dst + ((t * 16 + r) * 16 + n) * 2;
+                        d[0] = src[0];
+                        d[1] = src[1];
+                    }
+        }
+    return AMX_OK;
+}
+
+#if HAVE_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int amx_enable(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+               ? AMX_OK : AMX_ERR_UNAVAILABLE;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) TileConfig;
+
+/* Tiles 0-3: float32 C (16 x 16); 4-5: A (16 rows x 32 bf16); 6-7: B (16 pair rows x 16). */
+static void configure_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows [m0, m0 + rows) of y for one strip from the four C tiles (rows <= 32). */
+static inline void store_group(const float *cbuf, int64_t rows, const uint16_t *bias,
+                               uint16_t *y, int64_t N) {
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16));
+        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + 16))), 16));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cbuf + r * 32), b0));
+        const __m256bh hi = _mm512_cvtneps_pbh(
+            _mm512_add_ps(_mm512_load_ps(cbuf + r * 32 + 16), b1));
+        _mm256_storeu_si256((__m256i *)(y + r * N), (__m256i)lo);
+        _mm256_storeu_si256((__m256i *)(y + r * N + 16), (__m256i)hi);
+    }
+}
+
+int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                    const uint16_t *bias, uint16_t *y) {
+    if (M < 0 || N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
+    if (M == 0) return AMX_OK;
+    const int64_t strips = N / STRIP, kbs = K / KBLOCK, full = M / 32 * 32;
+    int64_t block_rows = X_BLOCK_BYTES / (K * 2) / 32 * 32;
+    block_rows = block_rows < 32 ? 32 : block_rows;
+    uint16_t *pad = NULL;
+    if (full < M) {   /* the last partial group of rows, zero-padded to 32 */
+        pad = aligned_alloc(64, (size_t)(32 * K) * sizeof(uint16_t));
+        if (!pad) return AMX_ERR_ALLOC;
+        memset(pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
+        memcpy(pad, x + full * K, (size_t)((M - full) * K) * sizeof(uint16_t));
+    }
+#pragma omp parallel
+    {
+        configure_tiles();
+        float cbuf[32 * 32] __attribute__((aligned(64)));
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t s0 = strips * tid / nt, s1 = strips * (tid + 1) / nt;
+        for (int64_t mb = 0; mb < M; mb += block_rows) {
+            const int64_t mb_end = mb + block_rows < M ? mb + block_rows : M;
+            for (int64_t s = s0; s < s1; ++s) {
+                const uint16_t *bs = packed + s * kbs * STRIP_BLOCK;
+                for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
+                    const uint16_t *xa = m0 < full ? x + m0 * K : pad;
+                    const int64_t rows = M - m0 < 32 ? M - m0 : 32;
+                    const int two = rows > 16;   /* a second A tile has rows in it */
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kb = 0; kb < kbs; ++kb) {
+                        const uint16_t *b = bs + kb * STRIP_BLOCK;
+                        if (m0 == mb)   /* the strip streams in once per row block */
+                            prefetch_bytes((const char *)b + PREFETCH_BYTES,
+                                           STRIP_BLOCK * (int64_t)sizeof(uint16_t));
+                        _tile_loadd(4, xa + kb * KBLOCK, K * 2);
+                        _tile_loadd(6, b, 64);
+                        _tile_loadd(7, b + STRIP_BLOCK / 2, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (two) {
+                            _tile_loadd(5, xa + 16 * K + kb * KBLOCK, K * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, cbuf, 128);
+                    _tile_stored(1, cbuf + 16, 128);
+                    if (two) {
+                        _tile_stored(2, cbuf + 512, 128);
+                        _tile_stored(3, cbuf + 528, 128);
+                    }
+                    store_group(cbuf, rows, bias ? bias + s * STRIP : NULL,
+                                y + m0 * N + s * STRIP, N);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+    return AMX_OK;
+}
+#else
+int amx_enable(void) { return AMX_ERR_UNAVAILABLE; }
+
+int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                    const uint16_t *bias, uint16_t *y) {
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)y;
+    return AMX_ERR_UNAVAILABLE;
+}
+#endif

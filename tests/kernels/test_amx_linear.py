@@ -1,0 +1,96 @@
+"""The AMX bfloat16 linear (native/linear_amx.c) against F.linear: row counts around its
+16- and 32-row groups, several row blocks, bias or none; its weight packing; its refusals.
+Skipped where the machine has no AMX (the kernel is then not offered: see test_not_offered)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tessellm_cpu.kernels import cpu_kernels
+from tessellm_cpu.native_build import NativeBuildError
+
+from tessellm.plugin_api import KernelQuery
+
+
+@pytest.fixture(scope="module")
+def amx():
+    from tessellm_cpu.native_amx import NativeAmxLinear
+    try:
+        return NativeAmxLinear()
+    except NativeBuildError as e:
+        pytest.skip(f"no AMX linear here: {e}")
+
+
+def _bf16(gen, *shape, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_matches_f_linear(amx, rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 96, 128
+    x, w = _bf16(gen, rows, k), _bf16(gen, n, k, scale=k ** -0.5)
+    b = _bf16(gen, n) if bias else None
+    got = amx(x, amx.prepare(w), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # both sum in float32 and round once; only the order of the sums differs
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
+
+
+def test_rows_in_several_blocks_and_a_non_contiguous_input(amx) -> None:
+    """K = 2048 gives blocks of 128 rows (x_block_rows): 300 rows are three blocks, the last
+    ending in a partial group of 12."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = _bf16(gen, 300, 4096)[:, ::2], _bf16(gen, 64, 2048, scale=2048 ** -0.5)
+    assert not x.is_contiguous()
+    torch.testing.assert_close(amx(x, amx.prepare(w)), F.linear(x, w), rtol=1.6e-2, atol=1e-2)
+
+
+def test_packed_weight_is_the_same_bytes_in_tile_order(amx) -> None:
+    w = torch.arange(64 * 32, dtype=torch.float32).view(64, 32).to(torch.bfloat16)
+    packed = amx.prepare(w)
+    assert packed.shape == (2, 1, 2, 16, 32) and packed.nbytes == w.nbytes
+    # strip 1, tile 0, pair row 3, feature 5: (W[32 + 5][6], W[32 + 5][7])
+    assert packed[1, 0, 0, 3, 10:12].tolist() == w[37, 6:8].tolist()
+    assert sorted(packed.flatten().float().tolist()) == sorted(w.flatten().float().tolist())
+
+
+def test_refusals(amx) -> None:
+    with pytest.raises(ValueError, match="multiples of 32"):
+        amx.prepare(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="bfloat16"):
+        amx.prepare(torch.zeros(32, 64))
+    packed = amx.prepare(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="rows of 64 features"):
+        amx(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+    with pytest.raises(TypeError, match="form its prepare makes"):
+        amx(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="a bias of 5 values for 32"):
+        amx(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(5))
+    dims = lambda k, n: (("bias", 0), ("in_features", k), ("out_features", n))  # noqa: E731
+    assert amx.supports(KernelQuery("linear", torch.bfloat16, 8, dims(64, 32)))
+    assert not amx.supports(KernelQuery("linear", torch.float32, 8, dims(64, 32)))
+    assert not amx.supports(KernelQuery("linear", torch.bfloat16, 8, dims(576, 40)))
+
+
+def test_offered_after_the_plain_linears_with_its_layout(amx) -> None:
+    linears = [k for k in cpu_kernels("cpu") if k.op == "linear"]
+    names = [k.name for k in linears]
+    assert names.index("linear_amx_native") > names.index("linear_aten")
+    kernel = linears[names.index("linear_amx_native")]
+    assert kernel.weight_layout is not None and kernel.weight_layout.name == "amx_bf16_tiles"
+
+
+def test_not_offered_without_amx(monkeypatch) -> None:
+    """Where the build has no AMX (or Linux refuses the tile state) the kernel is named in
+    not_offered with why, and the other linears stay."""
+    import tessellm_cpu.native_amx as native_amx
+
+    def refuse(self):
+        raise NativeBuildError("no AMX here (simulated)")
+    monkeypatch.setattr(native_amx.NativeAmxLinear, "__init__", refuse)
+    not_offered: dict[str, str] = {}
+    names = [k.name for k in cpu_kernels("cpu", not_offered) if k.op == "linear"]
+    assert "linear_amx_native" not in names and "linear_aten" in names
+    assert "simulated" in not_offered["linear_amx_native"]
