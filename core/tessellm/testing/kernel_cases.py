@@ -94,12 +94,13 @@ def _row_case(op: str, dt: torch.dtype, T: int, h: int) -> list[KernelCase]:
     if op == "embedding":
         return [_case(op, dt, T, {"vocab": 50, "hidden": h}, f"hidden={h}", build_args(
             lambda g: [torch.randint(0, 50, (T,), generator=g), _randn(g, (50, h), dt)]))]
-    if op == "linear":
+    if op == "linear":   # out=96: both dimensions multiples of 32, as tiled kernels want
         bias = int(h == 80)
-        return [_case(op, dt, T, {"in_features": h, "out_features": 48, "bias": bias},
-                      f"in={h} out=48 bias={bias}", build_args(lambda g: [
-                          _randn(g, (T, h), dt), _randn(g, (48, h), dt, h ** -0.5),
-                          _randn(g, (48,), dt) if bias else None]))]
+        return [_case(op, dt, T, {"in_features": h, "out_features": n, "bias": b},
+                      f"in={h} out={n} bias={b}", build_args(lambda g, n=n, b=b: [
+                          _randn(g, (T, h), dt), _randn(g, (n, h), dt, h ** -0.5),
+                          _randn(g, (n,), dt) if b else None]))
+                for n, b in ((48, bias), (96, 1 - bias))]
     if op == "rms_norm":
         def flat(g):
             x = _randn(g, (T, h), dt)
