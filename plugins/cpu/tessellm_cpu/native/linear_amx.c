@@ -20,6 +20,7 @@
  * process; without it the first tile instruction faults. AMX_ERR_UNAVAILABLE when the build
  * has no AMX (the compiler's -march=native did not report it) or the kernel refuses.
  */
+#define _GNU_SOURCE   /* syscall() */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,6 +43,7 @@ enum { AMX_OK = 0, AMX_ERR_SHAPE = 1, AMX_ERR_ALLOC = 2, AMX_ERR_UNAVAILABLE = 3
 #define KBLOCK 32                /* inputs per tile step */
 #define STRIP_BLOCK (STRIP * KBLOCK)   /* bf16 values of one (strip, k block) */
 #define X_BLOCK_BYTES (512 * 1024)
+#define FEW_ROWS_MAX 64   /* more rows take the L1-blocked path */
 
 int amx_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
     if (N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
@@ -105,20 +107,13 @@ static inline void store_group(const float *cbuf, int64_t rows, const uint16_t *
     }
 }
 
-int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-                    const uint16_t *bias, uint16_t *y) {
-    if (M < 0 || N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
-    if (M == 0) return AMX_OK;
+/* Few rows (decode): each (row group, strip) runs its whole K in the C tiles. */
+static void linear_few_rows(const uint16_t *x, const uint16_t *pad, int64_t M, int64_t K,
+                            const uint16_t *packed, int64_t N, const uint16_t *bias,
+                            uint16_t *y) {
     const int64_t strips = N / STRIP, kbs = K / KBLOCK, full = M / 32 * 32;
     int64_t block_rows = X_BLOCK_BYTES / (K * 2) / 32 * 32;
     block_rows = block_rows < 32 ? 32 : block_rows;
-    uint16_t *pad = NULL;
-    if (full < M) {   /* the last partial group of rows, zero-padded to 32 */
-        pad = aligned_alloc(64, (size_t)(32 * K) * sizeof(uint16_t));
-        if (!pad) return AMX_ERR_ALLOC;
-        memset(pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
-        memcpy(pad, x + full * K, (size_t)((M - full) * K) * sizeof(uint16_t));
-    }
 #pragma omp parallel
     {
         configure_tiles();
@@ -166,6 +161,105 @@ int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *pac
         }
         _tile_release();
     }
+}
+
+/* Many rows (prefill): a 2 x 2 tile step loads 4 KiB per 4 TDPBF16PS, more than L2 feeds, so
+ * the work is blocked for L1. Each thread takes its strips NC at a time, rows MB at a time,
+ * and K in chunks of KC_BLOCKS tile steps: for one row group and K chunk (16 KiB of x, kept
+ * in L1) it walks the NC strips (16 KiB of B each, from L2), keeping the float32 sums of every
+ * (row group, strip) in a per-thread buffer between K chunks (4 KiB each way per 32 steps). */
+#define NC 16          /* strips per thread block */
+#define MB 256         /* rows per block */
+#define KC_BLOCKS 8    /* tile steps (32 inputs each) per K chunk */
+static void linear_many_rows(const uint16_t *x, const uint16_t *pad, int64_t M, int64_t K,
+                             const uint16_t *packed, int64_t N, const uint16_t *bias,
+                             uint16_t *y, float *acc_all) {
+    const int64_t strips = N / STRIP, kbs = K / KBLOCK, full = M / 32 * 32;
+#pragma omp parallel
+    {
+        configure_tiles();
+        float cbuf[32 * 32] __attribute__((aligned(64)));
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        float *acc = acc_all + (size_t)tid * (MB / 32) * NC * 1024;
+        const int64_t s0 = strips * tid / nt, s1 = strips * (tid + 1) / nt;
+        for (int64_t n0 = s0; n0 < s1; n0 += NC) {
+            const int64_t n1 = n0 + NC < s1 ? n0 + NC : s1;
+            for (int64_t mb = 0; mb < M; mb += MB) {
+                const int64_t mb_end = mb + MB < M ? mb + MB : M;
+                for (int64_t k0 = 0; k0 < kbs; k0 += KC_BLOCKS) {
+                    const int64_t k1 = k0 + KC_BLOCKS < kbs ? k0 + KC_BLOCKS : kbs;
+                    for (int64_t m0 = mb; m0 < mb_end; m0 += 32) {
+                        const uint16_t *xa = m0 < full ? x + m0 * K : pad;
+                        const int64_t rows = M - m0 < 32 ? M - m0 : 32;
+                        for (int64_t s = n0; s < n1; ++s) {
+                            float *cb = acc + (((m0 - mb) / 32) * NC + (s - n0)) * 1024;
+                            if (k0 == 0) {
+                                _tile_zero(0);
+                                _tile_zero(1);
+                                _tile_zero(2);
+                                _tile_zero(3);
+                            } else {
+                                _tile_loadd(0, cb, 128);
+                                _tile_loadd(1, cb + 16, 128);
+                                _tile_loadd(2, cb + 512, 128);
+                                _tile_loadd(3, cb + 528, 128);
+                            }
+                            const uint16_t *bs = packed + s * kbs * STRIP_BLOCK;
+                            for (int64_t kb = k0; kb < k1; ++kb) {
+                                const uint16_t *b = bs + kb * STRIP_BLOCK;
+                                _tile_loadd(4, xa + kb * KBLOCK, K * 2);
+                                _tile_loadd(5, xa + 16 * K + kb * KBLOCK, K * 2);
+                                _tile_loadd(6, b, 64);
+                                _tile_loadd(7, b + STRIP_BLOCK / 2, 64);
+                                _tile_dpbf16ps(0, 4, 6);
+                                _tile_dpbf16ps(1, 4, 7);
+                                _tile_dpbf16ps(2, 5, 6);
+                                _tile_dpbf16ps(3, 5, 7);
+                            }
+                            if (k1 < kbs) {
+                                _tile_stored(0, cb, 128);
+                                _tile_stored(1, cb + 16, 128);
+                                _tile_stored(2, cb + 512, 128);
+                                _tile_stored(3, cb + 528, 128);
+                                continue;
+                            }
+                            _tile_stored(0, cbuf, 128);
+                            _tile_stored(1, cbuf + 16, 128);
+                            _tile_stored(2, cbuf + 512, 128);
+                            _tile_stored(3, cbuf + 528, 128);
+                            store_group(cbuf, rows, bias ? bias + s * STRIP : NULL,
+                                        y + m0 * N + s * STRIP, N);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                    const uint16_t *bias, uint16_t *y) {
+    if (M < 0 || N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
+    if (M == 0) return AMX_OK;
+    const int64_t full = M / 32 * 32;
+    const int many = M > FEW_ROWS_MAX;
+    uint16_t *pad = NULL;
+    float *acc = NULL;
+    if (full < M) {   /* the last partial group of rows, zero-padded to 32 */
+        pad = aligned_alloc(64, (size_t)(32 * K) * sizeof(uint16_t));
+        if (!pad) return AMX_ERR_ALLOC;
+        memset(pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
+        memcpy(pad, x + full * K, (size_t)((M - full) * K) * sizeof(uint16_t));
+    }
+    if (many) {   /* every thread's float32 sums for MB rows x NC strips */
+        const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;
+        acc = aligned_alloc(64, (size_t)nt * (MB / 32) * NC * 1024 * sizeof(float));
+        if (!acc) { free(pad); return AMX_ERR_ALLOC; }
+    }
+    if (many) linear_many_rows(x, pad, M, K, packed, N, bias, y, acc);
+    else linear_few_rows(x, pad, M, K, packed, N, bias, y);
+    free(acc);
     free(pad);
     return AMX_OK;
 }
