@@ -47,6 +47,16 @@ def test_rows_in_several_blocks_and_a_non_contiguous_input(amx) -> None:
     torch.testing.assert_close(amx(x, amx.prepare(w)), F.linear(x, w), rtol=1.6e-2, atol=1e-2)
 
 
+def test_many_rows_over_several_strip_blocks_and_k_chunks(amx) -> None:
+    """Past 64 rows the L1-blocked path: 1088 outputs are 34 strips (17 per thread of two,
+    more than one block of 16), K = 320 two K chunks (8 + 2 tile steps), 270 rows two row
+    blocks (256 + 14, the last group partial), with a bias."""
+    gen = torch.Generator().manual_seed(11)
+    x, w, b = _bf16(gen, 270, 320), _bf16(gen, 1088, 320, scale=320 ** -0.5), _bf16(gen, 1088)
+    torch.testing.assert_close(amx(x, amx.prepare(w), b), F.linear(x, w, b), rtol=1.6e-2,
+                               atol=1e-2)
+
+
 def test_packed_weight_is_the_same_bytes_in_tile_order(amx) -> None:
     w = torch.arange(64 * 32, dtype=torch.float32).view(64, 32).to(torch.bfloat16)
     packed = amx.prepare(w)
