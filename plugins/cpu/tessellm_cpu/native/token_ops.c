@@ -147,7 +147,11 @@ static inline __m512 vload_bf16(const uint16_t *p, __mmask16 k) {
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 static inline void vstore_f32(float *p, __mmask16 k, __m512 v) { _mm512_mask_storeu_ps(p, k, v); }
-/* round to nearest even on 16 lanes, NaN quieted (f32_to_bf16's rule) */
+/* round to nearest even on 16 lanes, NaN quieted (f32_to_bf16's rule); one instruction where
+ * the CPU has AVX-512 BF16 (which also flushes denormal results to zero) */
+#ifdef __AVX512BF16__
+static inline __m256i bf16_bits16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
 static inline __m256i bf16_bits16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(
@@ -157,6 +161,7 @@ static inline __m256i bf16_bits16(__m512 v) {
     const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, q));
 }
+#endif
 static inline void vstore_bf16(uint16_t *p, __mmask16 k, __m512 v) {
     _mm256_mask_storeu_epi16(p, k, bf16_bits16(v));
 }
