@@ -367,10 +367,59 @@ def test_boundary_penalties_and_logprobs_accepted() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_token_ids_follow_argmax_with_ties_and_nan(dtype) -> None:
-    from tessellm.engine.sampler import greedy_token_ids
+def test_greedy_reference_follows_argmax_with_ties_and_nan(dtype) -> None:
+    from tessellm.kernels.reference import greedy_tokens
     x = torch.randn(16, 5000, generator=torch.Generator().manual_seed(3)).to(dtype)
     x[2, 10] = x[2, 4000] = 50.0          # a tie: the lower index
     x[7, 123] = float("nan")              # NaN wins, as in argmax
-    assert torch.equal(greedy_token_ids(x), x.argmax(dim=-1))
-    assert greedy_token_ids(x)[2] == 10 and greedy_token_ids(x)[7] == 123
+    assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
+    assert greedy_tokens(x)[2] == 10 and greedy_tokens(x)[7] == 123
+
+
+def test_greedy_rows_run_through_the_selected_kernel_once_chosen_per_shape() -> None:
+    """select_greedy(rows, vocab, dtype) is asked once per shape; its function then serves
+    every all-greedy batch, the greedy rows of a mixed batch and penalised (float32) rows."""
+    from tessellm.kernels.reference import greedy_tokens
+    asked, ran = [], []
+
+    def select(rows: int, vocab: int, dtype: torch.dtype):
+        asked.append((rows, vocab, dtype))
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            ran.append((tuple(x.shape), x.dtype))
+            return greedy_tokens(x)
+        return fn
+
+    sampler = Sampler(select_greedy=select)
+    logits = _logits(3).to(torch.bfloat16)
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    for _ in range(2):
+        out = sampler(logits, _rows(greedy, [0] * 3)).token_ids
+        assert torch.equal(out, logits.argmax(-1))
+    assert asked == [(3, VOCAB, torch.bfloat16)] and len(ran) == 2
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+             SamplingParams(temperature=0.0, presence_penalty=1.0)]
+    out = sampler(logits, _rows(mixed, [0] * 3)).token_ids
+    assert asked[-1] == (3, VOCAB, torch.float32) and ran[-1] == ((3, VOCAB), torch.float32)
+    assert out[0] == logits[0].float().argmax()
+
+
+def test_the_cpu_engine_chooses_a_greedy_kernel_for_every_row_bucket(stories_dir) -> None:
+    """The warm-up chooses the device's greedy_tokens kernel for each row bucket up to
+    max_num_seqs, in the model's dtype and in float32 (penalised logits), and the runner's
+    sampler uses it (test_engine_devices checks the greedy tokens end to end)."""
+    from tessellm import LLM
+    from tessellm.engine.kernel_warmup import choose_kernels
+    llm = LLM(str(stories_dir), dtype="bfloat16", max_num_seqs=4, load_progress=False)
+    try:
+        choices = choose_kernels(llm.engine.parts, progress=False)
+        greedy = {k.split("|")[1] + "|" + k.split("|")[2]: v for k, v in choices.items()
+                  if k.startswith("greedy_tokens|")}
+        assert set(greedy) == {f"{dt}|T{b}" for dt in ("bfloat16", "float32")
+                               for b in (1, 2, 4)}
+        assert set(greedy.values()) <= {"greedy_native", "greedy_torch_max"}
+        assert llm.engine.runner.sampler.select_greedy is not None
+        out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
+        assert len(out[0].token_ids) == 4
+    finally:
+        llm.close()

@@ -1,6 +1,7 @@
 """The CPU plugin's C per-token kernels (native/token_ops.c) against the reference ops:
-rotary embedding, the KV-cache write (slot -1 skipped), RMSNorm plain and fused with the add;
-float32 and bfloat16, row-strided views of a fused qkv tensor, and the input checks."""
+rotary embedding, the KV-cache write (slot -1 skipped), RMSNorm plain and fused with the add,
+silu_and_mul and the greedy argmax; float32 and bfloat16, row-strided views of a fused qkv
+tensor, and the input checks."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,8 @@ import torch
 
 from tessellm.kernels import reference as ref
 from tessellm.kernels.profiler import TOLERANCES
-from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
-                                           NativeSiluAndMul,
-                                           NativeWriteKV)
+from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeGreedy, NativeRmsNorm,
+                                           NativeRotary, NativeSiluAndMul, NativeWriteKV)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -115,3 +115,43 @@ def test_silu_and_mul_reads_a_row_strided_view() -> None:
     wide = torch.randn(4, 200)
     x = wide[:, :64]
     _close(NativeSiluAndMul()(x), ref.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (1, 15), (1, 16), (2, 17), (5, 1000),
+                                             (64, 32000), (1, 49152)])
+def test_greedy_follows_torch_argmax(dtype, rows, vocab) -> None:
+    """Ties to the lowest index, a NaN beats every number (its first one wins), -0.0 ties
+    0.0, an all -inf row picks index 0; every vocabulary tail length (vectors of 16)."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=g).to(dtype)
+    for r in range(rows):
+        cols = torch.randint(0, vocab, (3,), generator=g).tolist()
+        kind = r % 5
+        if kind == 1:                                    # a tie at the maximum
+            x[r, cols[0]] = x[r, cols[1]] = 20.0
+        elif kind == 2:                                  # NaNs behind the maximum
+            x[r, min(cols)], x[r, max(cols)] = 20.0, float("nan")
+            x[r, cols[2]] = float("nan")
+        elif kind == 3:                                  # all -inf
+            x[r] = float("-inf")
+        elif kind == 4:                                  # the maximum is a signed zero
+            x[r] = -x[r].abs() - 1
+            x[r, cols[0]], x[r, cols[1]] = -0.0, 0.0
+    x[:, -1] = torch.where(torch.arange(rows) % 2 == 0, 30.0, x[:, -1])  # the last column wins
+    want = x.argmax(dim=-1)
+    assert torch.equal(NativeGreedy()(x), want)
+    assert torch.equal(ref.greedy_tokens(x), want)
+
+
+def test_greedy_reads_row_strided_views_and_refuses_other_shapes() -> None:
+    x = torch.randn(6, 300)
+    view = x[:, 20:250]
+    assert torch.equal(NativeGreedy()(view), view.argmax(dim=-1))
+    assert NativeGreedy()(torch.empty(0, 10)).shape == (0,)
+    with pytest.raises(TypeError, match="float32/bfloat16 logits"):
+        NativeGreedy()(torch.randn(3, 4, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"\[rows, vocab\]"):
+        NativeGreedy()(torch.randn(10))
+    with pytest.raises(ValueError, match="no entries"):
+        NativeGreedy()(torch.empty(2, 0))

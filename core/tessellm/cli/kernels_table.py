@@ -1,5 +1,6 @@
 """`tessellm kernels`: the profiler's ranking per op for a model's graph on a device (and
-for the sampler's `sample_tokens` op, with the buckets as rows, where the device has it)."""
+for the sampler's `sample_tokens` and `greedy_tokens` ops, with the buckets as rows, where
+the device has them)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,8 @@ from typing import Any
 
 from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
-from tessellm.engine.sampler import SAMPLE_OP, sample_kernel_query
+from tessellm.engine.sampler import (GREEDY_OP, SAMPLE_OP, greedy_kernel_query,
+                                     sample_kernel_query)
 from tessellm.graph.lowering import AttentionSite, KernelSite
 from tessellm.kernels.registry import KernelQuery
 
@@ -31,8 +33,11 @@ def print_kernel_rankings(model: str | None, options: dict[str, Any], buckets: l
                           as_json: bool = False) -> None:
     parts = build_engine_parts(EngineConfig(model=model, load_progress=False, **options))
     queries = plan_queries(parts.plan, buckets)
-    if parts.selector.registry.has_op(parts.selector.device_name, SAMPLE_OP):   # the sampler's op
+    has_op = parts.selector.registry.has_op
+    if has_op(parts.selector.device_name, SAMPLE_OP):   # the sampler's ops
         queries += [sample_kernel_query(b, parts.spec.vocab_size) for b in buckets]
+    if has_op(parts.selector.device_name, GREEDY_OP):
+        queries += [greedy_kernel_query(b, parts.spec.vocab_size, parts.dtype) for b in buckets]
     rows = []
     for q in queries:
         d = parts.selector.decide(q)

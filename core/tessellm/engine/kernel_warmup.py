@@ -1,7 +1,8 @@
 """Kernel choice before the first request: every token bucket an engine can meet is
-profiled (or resolved by the kernel_selection policy) up front, and so is the sampler's
-`sample_tokens` kernel for every bucket of rows up to max_num_seqs (on a device that has
-one); then weights take the layout their kernels read
+profiled (or resolved by the kernel_selection policy) up front, and so are the sampler's
+`sample_tokens` and `greedy_tokens` kernels for every bucket of rows up to max_num_seqs (on
+a device that has them; greedy in the model's dtype and in float32, the dtype of penalised
+logits); then weights take the layout their kernels read
 (tessellm.graph.lowering.adopt_weight_layouts), then the device's decode graphs are captured
 (after that warm-up, on padding rows only).
 
@@ -14,9 +15,12 @@ from __future__ import annotations
 import logging
 import sys
 
+import torch
+
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.llm_engine import LLMEngine
-from tessellm.engine.sampler import SAMPLE_OP, sample_kernel_query
+from tessellm.engine.sampler import (GREEDY_OP, SAMPLE_OP, greedy_kernel_query,
+                                     sample_kernel_query)
 from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
 from tessellm.kernels.profiler import token_bucket
 
@@ -32,14 +36,18 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets
 
 
-def _select_sample_kernel(parts: EngineParts, bucket: int) -> dict[str, str]:
-    """The random-sampling kernel for `bucket` rows (rows are sampled sequences, so buckets
-    up to max_num_seqs), where the device has one; else the sampler runs the reference."""
-    selector = parts.selector
-    if not selector.registry.has_op(selector.device_name, SAMPLE_OP):
-        return {}
-    query = sample_kernel_query(bucket, parts.spec.vocab_size)
-    return {query.bucket_key: selector.select(query).name}
+def _select_sample_kernels(parts: EngineParts, bucket: int) -> dict[str, str]:
+    """The random-sampling and greedy kernels for `bucket` rows (rows are sampled sequences,
+    so buckets up to max_num_seqs), where the device has them; else the sampler runs the
+    reference."""
+    selector, vocab = parts.selector, parts.spec.vocab_size
+    queries = []
+    if selector.registry.has_op(selector.device_name, SAMPLE_OP):
+        queries.append(sample_kernel_query(bucket, vocab))
+    if selector.registry.has_op(selector.device_name, GREEDY_OP):
+        queries += [greedy_kernel_query(bucket, vocab, dt)
+                    for dt in dict.fromkeys((parts.dtype, torch.float32))]
+    return {q.bucket_key: selector.select(q).name for q in queries}
 
 
 def choose_kernels(parts: EngineParts, sample_kernels: bool = True,
@@ -56,7 +64,7 @@ def choose_kernels(parts: EngineParts, sample_kernels: bool = True,
                   file=sys.stderr, flush=True)
         choices.update(select_all_kernels(parts.plan, b, c.max_num_seqs))
         if sample_kernels and b <= token_bucket(c.max_num_seqs):
-            choices.update(_select_sample_kernel(parts, b))
+            choices.update(_select_sample_kernels(parts, b))
     adopted = adopt_weight_layouts(parts.plan, parts.weights)
     if adopted:
         log.info("%d weight(s) converted to their kernels' layout", adopted)

@@ -26,7 +26,9 @@ from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner
 from tessellm.engine.step_inputs import LaunchedStep
 from tessellm.engine.request_limits import RequestLimits
-from tessellm.engine.sampler import SAMPLE_OP, SelectSampleKernel, sample_kernel_query
+from tessellm.engine.sampler import (GREEDY_OP, SAMPLE_OP, SelectGreedyKernel,
+                                     SelectSampleKernel, greedy_kernel_query,
+                                     sample_kernel_query)
 from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.kernels.profiler import KernelSelector, token_bucket
@@ -71,6 +73,20 @@ def sample_kernel_select(selector: KernelSelector) -> SelectSampleKernel | None:
     return select
 
 
+def greedy_kernel_select(selector: KernelSelector) -> SelectGreedyKernel | None:
+    """The Sampler's kernel for greedy rows: the device's `greedy_tokens` kernel for the
+    rows' token bucket and the logits' dtype, chosen like any other op (kernel_warmup chose
+    it for every bucket up to max_num_seqs, in the model's dtype and in float32); None on a
+    device with no such kernel, where the Sampler runs the reference (torch.max)."""
+    if not selector.registry.has_op(selector.device_name, GREEDY_OP):
+        return None
+
+    def select(rows: int, vocab: int, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+        return selector.select(greedy_kernel_query(token_bucket(rows), vocab, dtype)).fn
+
+    return select
+
+
 def async_scheduling_enabled(parts: EngineParts) -> bool:
     """config.async_scheduling, or (None) whether the device runs asynchronously. Raises
     ConfigError on a static-shape device (the feed would be a shape of its own per step);
@@ -98,6 +114,7 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
                        graph_sizes=() if c.enforce_eager
                        else parts.device.decode_graph_sizes(c.max_num_seqs),
                        select_sample_kernel=sample_kernel_select(parts.selector),
+                       select_greedy_kernel=greedy_kernel_select(parts.selector),
                        static_shapes=parts.device.static_shapes(
                            c.max_num_batched_tokens, c.max_num_seqs),
                        followers=parts.parallel.channel if leads else None,

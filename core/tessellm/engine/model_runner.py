@@ -1,7 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into device inputs, runs the plan, samples.
 
 Blocks are zeroed when first handed out (and the null block at start): attention kernels read
-whole blocks through padded block tables and rely on every such slot being finite.
+whole blocks through padded block tables and rely on every such slot being finite. A fresh
+block whose every slot the step itself writes (a prefill covering it) is not zeroed: each
+layer writes the step's K/V before it attends.
 Block copies come first in a step (tessellm.engine.kv_swap): swap-outs are enqueued, the ones
 reading blocks about to be reused are waited on, fresh blocks are zeroed, copy-on-write and
 swap-in copies follow, and compute is ordered after the swap-ins.
@@ -50,11 +52,11 @@ from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import DecodeGraphShape, DevicePlugin, Event, StaticShapes, StaticStepShape
 from tessellm.engine.block_table_rows import BlockTableRows
 from tessellm.engine.step_inputs import (LaunchedStep, StepInputs, StepPadding, bucket_at_least,
-                                         build_step_inputs)
+                                         blocks_written_in_full, build_step_inputs)
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
-                                     SelectSampleKernel, TokenLogprobs)
+                                     SelectGreedyKernel, SelectSampleKernel, TokenLogprobs)
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.parallel.group import ControlChannel
@@ -75,6 +77,7 @@ class ModelRunner:
                  host_kv_caches: list[torch.Tensor] | None = None,
                  graph_sizes: Sequence[int] = (),
                  select_sample_kernel: SelectSampleKernel | None = None,
+                 select_greedy_kernel: SelectGreedyKernel | None = None,
                  static_shapes: StaticShapes | None = None,
                  followers: ControlChannel | None = None, overlap: bool = False) -> None:
         self.device = device
@@ -88,7 +91,8 @@ class ModelRunner:
         # per row count) nor on the plain CPU path (nothing to copy there).
         self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
         self.sampler = Sampler(select_sample_kernel,
-                               self._stage_small if self._stages else None)
+                               self._stage_small if self._stages else None,
+                               select_greedy_kernel)
         self.stage_times = StageTimes()
         self.stream = device.new_stream()
         self.swapper = KVSwapper(device, kv_caches, host_kv_caches or [])
@@ -143,8 +147,10 @@ class ModelRunner:
         """The step's block work before inputs are built (on every rank): swap-outs, zeroing
         of fresh blocks (after the swap-outs reading them), copy-on-write, swap-ins. Returns
         the swap-in event compute must be ordered after (None when none)."""
-        return self._lead_block_ops(BlockOps(list(out.swap_out), kv.take_fresh_blocks(),
-                                             list(out.block_copies), list(out.swap_in)))
+        fresh = kv.take_fresh_blocks()
+        return self._lead_block_ops(BlockOps(list(out.swap_out), fresh, list(out.block_copies),
+                                             list(out.swap_in),
+                                             blocks_written_in_full(out, kv, fresh)))
 
     def _lead_block_ops(self, ops: BlockOps) -> Event | None:
         if self.followers is not None and not ops.empty:
@@ -154,7 +160,8 @@ class ModelRunner:
     def run_block_ops(self, ops: BlockOps) -> Event | None:
         self.swapper.swap_out(ops.swap_out)
         self.swapper.before_reuse(ops.fresh)
-        self._zero_blocks(ops.fresh)
+        written = set(ops.written_in_full)
+        self._zero_blocks([b for b in ops.fresh if b not in written] if written else ops.fresh)
         self.swapper.copy_blocks(ops.copies)
         return self.swapper.swap_in(ops.swap_in)
 

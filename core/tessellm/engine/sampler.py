@@ -12,6 +12,9 @@ Pipeline for a row (the order is part of the contract):
              tokens (-inf logits) report -inf. `top` holds min(k, vocab) entries, descending.
     greedy (temperature == 0 or top_k == 1):  argmax(x); ties go to the lowest index
              (torch.argmax), so top_k == 1 is exactly greedy even when the top value is tied.
+             The device op `greedy_tokens` (its reference: torch.max(x, -1).indices, a NaN
+             counting as the largest value) through `select_greedy(rows, vocab, dtype)` where
+             the engine gives one, else that reference.
     random:  x = float32(x) / temperature
              -> top-k  (keep tokens whose value >= the k-th largest value)
              -> top-p  (keep the smallest most-probable prefix whose mass >= top_p; the top
@@ -71,12 +74,21 @@ SelectSampleKernel = Callable[[int, int], Callable[..., torch.Tensor]]
 StageToDevice = Callable[[str, torch.Tensor], torch.Tensor]
 SAMPLE_ROWS, SAMPLE_TABLE = "sample_rows", "sample_table"
 SAMPLE_OP = "sample_tokens"
+GREEDY_OP = "greedy_tokens"
+# (rows, vocab, logits dtype) -> a function with reference.greedy_tokens' signature
+SelectGreedyKernel = Callable[[int, int, torch.dtype], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def sample_kernel_query(bucket: int, vocab: int) -> KernelQuery:
     """The kernel query of the random-sampling op for a token bucket of rows (float32: the op
     computes in float32 whatever the logits' dtype)."""
     return KernelQuery(SAMPLE_OP, torch.float32, bucket, (("vocab", vocab),))
+
+
+def greedy_kernel_query(bucket: int, vocab: int, dtype: torch.dtype) -> KernelQuery:
+    """The kernel query of the greedy op for a token bucket of rows of `dtype` logits (the
+    model's dtype; float32 once penalties have been applied)."""
+    return KernelQuery(GREEDY_OP, dtype, bucket, (("vocab", vocab),))
 
 
 def row_seed(seed: int, position: int) -> int:
@@ -128,9 +140,22 @@ class Sampler:
     """
 
     def __init__(self, select_kernel: SelectSampleKernel | None = None,
-                 stage: StageToDevice | None = None) -> None:
+                 stage: StageToDevice | None = None,
+                 select_greedy: SelectGreedyKernel | None = None) -> None:
         self.select_kernel = select_kernel
         self.stage = stage   # None: host values go up with torch.tensor(..., device=...)
+        self.select_greedy = select_greedy   # None: reference.greedy_tokens
+        self._greedy_fns: dict[tuple[int, int, torch.dtype], Callable] = {}
+
+    def _greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of x, by the device's kernel where one was given."""
+        if self.select_greedy is None:
+            return reference.greedy_tokens(x)
+        key = (x.shape[0], x.shape[1], x.dtype)
+        fn = self._greedy_fns.get(key)
+        if fn is None:
+            fn = self._greedy_fns[key] = self.select_greedy(*key)
+        return fn(x)
 
     def _to_device(self, name: str, values: list, dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor:
@@ -157,14 +182,14 @@ class Sampler:
             if p.logprobs is not None:
                 wants_logprobs.append(i)
         if not (random_rows or penalized or wants_logprobs):
-            return SamplerOutput(greedy_token_ids(logits), [None] * batch)
+            return SamplerOutput(self._greedy(logits), [None] * batch)
 
         x = _penalize_rows(logits, rows, penalized) if penalized else logits
         if len(random_rows) == batch:
             token_ids = self._sample_random(x, [r.params for r in rows],
                                             [r.output_position for r in rows])
         else:
-            token_ids = greedy_token_ids(x)
+            token_ids = self._greedy(x)
             if random_rows:
                 index = self._to_device(SAMPLE_ROWS, random_rows, torch.long, logits.device)
                 sampled = self._sample_random(
@@ -184,14 +209,6 @@ class Sampler:
         return sample_random(logits, params, positions, self.select_kernel,
                              lambda values: self._to_device(SAMPLE_TABLE, values, torch.float32,
                                                             logits.device))
-
-
-def greedy_token_ids(x: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim, ties to the lowest index (NaN counts as the largest), as
-    torch.argmax; computed as torch.max(...).indices, the same rule, which torch runs 2.5-5x
-    faster on the CPU (bfloat16 [64, 32000]: 1.1 against 5.1 ms; float32 one row of 49152:
-    25 against 64 us)."""
-    return torch.max(x, dim=-1).indices
 
 
 def _select(x: torch.Tensor, which: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

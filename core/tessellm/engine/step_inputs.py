@@ -70,6 +70,24 @@ class LaunchedStep:
     rows: dict[str, int]
 
 
+def blocks_written_in_full(out: SchedulerOutput, kv: KVCacheManager,
+                           fresh: list[int]) -> list[int]:
+    """The blocks of `fresh` whose every slot the step writes: each scheduled request's
+    blocks that lie wholly inside the tokens it computes (in every layer the attention site
+    writes a step's K/V before it reads the cache, so such a block is never read unwritten)."""
+    if not fresh:
+        return []
+    bs, wanted, full = kv.block_size, set(fresh), []
+    for sched in out.scheduled:
+        if sched.num_tokens < bs:
+            continue
+        start = sched.request.num_computed_tokens
+        table = kv.block_table_view(sched.request.request_id)
+        full += [b for b in table[-(-start // bs):(start + sched.num_tokens) // bs]
+                 if b in wanted]
+    return full
+
+
 def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     """One row per scheduled request; a logits index (and sampled request) per request that
     completes in this step, followed by one per sibling forking from it (out.forks): they

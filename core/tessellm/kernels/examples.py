@@ -94,6 +94,22 @@ def _sample_example(T: int, vocab: int, dev: str, gen: torch.Generator) -> list[
     return [t.to(dev) for t in (logits, temperature, top_k, top_p, min_p, noise)]
 
 
+def _greedy_example(T: int, vocab: int, dt: torch.dtype, dev: str,
+                    gen: torch.Generator) -> list[Any]:
+    """Random logits in the query's dtype where the order rules matter: row 0 holds its
+    largest value twice (the lower index must win), row 1 a NaN behind its largest value
+    (the NaN must win), row 2 two NaNs (the first wins); later rows are plain."""
+    x = torch.randn((T, vocab), generator=gen).to(dt)
+    cols = torch.randperm(vocab, generator=gen)[:2].sort().values.tolist()
+    lo, hi = cols if len(cols) == 2 else (0, 0)
+    x[0, lo] = x[0, hi] = 8.0
+    if T > 1:
+        x[1, lo], x[1, hi] = 8.0, float("nan")
+    if T > 2:
+        x[2, lo] = x[2, hi] = float("nan")
+    return [x.to(dev)]
+
+
 def make_example(query: KernelQuery, dev: str) -> list[Any]:
     gen = torch.Generator().manual_seed(1234)
     T, dt, op = query.num_tokens, query.dtype, query.op
@@ -159,6 +175,8 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         return _attention_example(query, dev, gen)
     if op == "sample_tokens":
         return _sample_example(T, d["vocab"], dev, gen)
+    if op == "greedy_tokens":
+        return _greedy_example(T, d["vocab"], dt, dev, gen)
     raise KernelError(f"no example inputs defined for op {op!r}")
 
 

@@ -11,12 +11,14 @@ class WorkerInit(msgspec.Struct, tag="init"):
 
 
 class BlockOps(msgspec.Struct, tag="block_ops"):
-    """A step's KV block work (tessellm.engine.kv_swap), by block id."""
+    """A step's KV block work (tessellm.engine.kv_swap), by block id. `written_in_full`: the
+    fresh blocks whose every slot the step's own forward pass writes, which are not zeroed."""
 
     swap_out: list[tuple[int, int]]
     fresh: list[int]
     copies: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
+    written_in_full: list[int] = []
 
     @property
     def empty(self) -> bool:

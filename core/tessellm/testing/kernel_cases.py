@@ -301,6 +301,17 @@ def _sample_cases() -> list[KernelCase]:
     return out
 
 
+def _greedy_cases() -> list[KernelCase]:
+    out = []
+    for dt in DTYPES:
+        for T, vocab in ((1, 300), (3, 1000), (9, 5003)):
+            query = KernelQuery("greedy_tokens", dt, T, (("vocab", vocab),))
+            # the profiler's seeded example: ties at the maximum, NaNs, plain rows
+            out.append(KernelCase(f"greedy_tokens {_short(dt)} T={T} vocab={vocab}", query,
+                                  lambda g, q=query: CaseInputs(make_example(q, "cpu"))))
+    return out
+
+
 _ROW_OPS = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "layer_norm", "add", "mul",
             "silu", "gelu_tanh", "silu_and_mul")
 
@@ -319,6 +330,8 @@ def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
         return _attention_cases(op, padding)
     if op == "sample_tokens":
         return _sample_cases()
+    if op == "greedy_tokens":
+        return _greedy_cases()
     raise KernelError(f"the conformance kit has no cases for op {op!r}")
 
 

@@ -86,8 +86,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     from tessellm_cpu.native_attention import NativeDecode
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
-    from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeRmsNorm, NativeRotary,
-                                               NativeSiluAndMul, NativeWriteKV)
+    from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeGreedy, NativeRmsNorm,
+                                               NativeRotary, NativeSiluAndMul, NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
              ("linear_packed", "linear_packed_native", NativePackedLinear,
               "C, reads Q8_0/Q4_0/Q4_1 blocks in place"),
@@ -101,7 +101,9 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
              ("fused_add_rms_norm", "fused_add_rms_norm_native", NativeFusedAddRmsNorm,
               "C, add and norm in one pass per row"),
              ("silu_and_mul", "silu_and_mul_native", NativeSiluAndMul,
-              "C, one pass per row"))
+              "C, one pass per row"),
+             ("greedy_tokens", "greedy_native", NativeGreedy,
+              "C, AVX-512 max then first index, rows over threads"))
     return _built_kernels(specs, device, not_offered)
 
 
@@ -169,4 +171,5 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
         k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
         k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
+        k("greedy_tokens", "greedy_torch_max", reference.greedy_tokens, "torch.max(...).indices"),
     ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered)

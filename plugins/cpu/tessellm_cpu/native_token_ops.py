@@ -1,5 +1,6 @@
 """Per-token small ops as C kernels (native/token_ops.c), called through ctypes: rotary
-embedding, the KV-cache write and RMSNorm (plain and fused with the residual add). For a
+embedding, the KV-cache write, RMSNorm (plain and fused with the residual add), silu_and_mul
+and the sampler's greedy argmax. For a
 decode step each is a few microseconds of arithmetic that torch spreads over several ops of
 tens of microseconds each (SmolLM2, one stream, per layer: rotary 51 us, KV write 35 us,
 fused add + norm 20 us). float32 and bfloat16; the C side checks positions and slots first.
@@ -195,3 +196,30 @@ class NativeSiluAndMul(_Native):
         out = torch.empty((rows, f), dtype=x.dtype)
         _check(fn(x2.data_ptr(), x2.stride(0), rows, f, out.data_ptr()), "silu_and_mul")
         return out if x2 is x else out.view(*x.shape[:-1], f)
+
+
+class NativeGreedy(_Native):
+    """greedy_tokens(logits): per row the first NaN, else the first largest value (int64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fns = {}
+        for dtype, name in ((torch.float32, "greedy_f32"), (torch.bfloat16, "greedy_bf16")):
+            fn = entry_point(self._lib, name)
+            fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+
+    def __call__(self, logits):
+        fn = self._fns.get(logits.dtype)
+        if fn is None or logits.dim() != 2:
+            raise TypeError(f"native greedy needs float32/bfloat16 logits [rows, vocab], got "
+                            f"{logits.dtype} of shape {tuple(logits.shape)}")
+        x = _rows(logits)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        if x.shape[0]:
+            if x.shape[1] == 0:
+                raise ValueError("native greedy: logits rows have no entries")
+            _check(fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr()),
+                   "greedy")
+        return out

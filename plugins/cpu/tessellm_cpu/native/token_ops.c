@@ -10,6 +10,10 @@
  * silu_and_mul_*: silu of the first half of each row times the second half (below).
  * write_kv_*: each token's K and V rows [HK * D] (rows of any stride) to its slot of a
  *   contiguous cache [2, NB, HK, BS, D]; slot < 0 is a padding token (skipped).
+ * greedy_*: the greedy token of each row of logits [T, V] (rows of any stride): the index of
+ *   the first NaN if the row has one, else of the first occurrence of its largest value
+ *   (torch.argmax's order; -0.0 and 0.0 are equal). One pass for the maximum, one for its
+ *   first index (the row is in cache by then).
  *
  * Every index is checked before use; the functions return 0, or a nonzero code naming the
  * problem (no write happens then). bf16 is stored as uint16 (round to nearest even).
@@ -201,3 +205,63 @@ int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t F, TYPE *out) {    
 
 SILU_AND_MUL(silu_and_mul_f32, float, ID, ID, ID, f32)
 SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
+
+/* greedy_*: see the header. `load16(p, n)` reads min(n, 16) values as float32, the lanes past
+ * n set to -inf (they never win and never count as NaN). */
+#ifdef __AVX512F__
+static inline __m512 greedy_load_f32(const float *p, int64_t n) {
+    const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, p);
+}
+static inline __m512 greedy_load_bf16(const uint16_t *p, int64_t n) {
+    const __mmask16 k = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+    return _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), v);
+}
+#define GREEDY_ROW(NAME, TYPE, LOAD16)                                                       \
+static int64_t NAME(const TYPE *x, int64_t V) {                                              \
+    __m512 mx = _mm512_set1_ps(-INFINITY);                                                   \
+    __mmask16 nan = 0;                                                                       \
+    for (int64_t j = 0; j < V; j += 16) {                                                    \
+        const __m512 v = LOAD16(x + j, V - j);                                               \
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                       \
+        mx = _mm512_max_ps(v, mx);   /* a NaN lane of v keeps mx */                          \
+    }                                                                                        \
+    const float best = _mm512_reduce_max_ps(mx);                                             \
+    for (int64_t j = 0; j < V; j += 16) {                                                    \
+        const __m512 v = LOAD16(x + j, V - j);                                               \
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)                   \
+                                  : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best), _CMP_EQ_OQ); \
+        if (hit) return j + __builtin_ctz((unsigned)hit);                                    \
+    }                                                                                        \
+    return 0;   /* V > 0 and every lane compares equal to itself or is NaN: unreachable */  \
+}
+GREEDY_ROW(greedy_row_f32, float, greedy_load_f32)
+GREEDY_ROW(greedy_row_bf16, uint16_t, greedy_load_bf16)
+#else
+#define GREEDY_ROW_SCALAR(NAME, TYPE, LOAD)                                                  \
+static int64_t NAME(const TYPE *x, int64_t V) {                                              \
+    int64_t arg = 0;                                                                         \
+    float best = LOAD(x[0]);                                                                 \
+    if (isnan(best)) return 0;                                                               \
+    for (int64_t j = 1; j < V; j++) {                                                        \
+        const float v = LOAD(x[j]);                                                          \
+        if (isnan(v)) return j;                                                              \
+        if (v > best) { best = v; arg = j; }                                                 \
+    }                                                                                        \
+    return arg;                                                                              \
+}
+GREEDY_ROW_SCALAR(greedy_row_f32, float, ID)
+GREEDY_ROW_SCALAR(greedy_row_bf16, uint16_t, bf16_to_f32)
+#endif
+
+#define GREEDY(NAME, TYPE, ROW)                                                              \
+int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t V, int64_t *out) {             \
+    if (V <= 0) return RK_ERR_SHAPE;                                                         \
+    _Pragma("omp parallel for schedule(static) if (T > 1 && T * V >= PARALLEL_MIN)")         \
+    for (int64_t t = 0; t < T; t++) out[t] = ROW(x + t * x_stride, V);                      \
+    return RK_OK;                                                                            \
+}
+GREEDY(greedy_f32, float, greedy_row_f32)
+GREEDY(greedy_bf16, uint16_t, greedy_row_bf16)
