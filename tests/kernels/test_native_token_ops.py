@@ -155,3 +155,38 @@ def test_greedy_reads_row_strided_views_and_refuses_other_shapes() -> None:
         NativeGreedy()(torch.randn(10))
     with pytest.raises(ValueError, match="no entries"):
         NativeGreedy()(torch.empty(2, 0))
+
+
+def test_portable_build_without_avx512_compiles_loads_and_agrees(tmp_path) -> None:
+    """token_ops.c for an x86-64 baseline CPU (its scalar paths): no undeclared function (a
+    macro that named another macro's parameters once left symbols undefined, so the library
+    failed to load on CPUs without AVX-512), and its greedy and silu_and_mul equal the
+    reference."""
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    from tessellm_cpu.native_token_ops import SOURCE
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the baseline flags below are x86-64's")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is needed (the CPU plugin builds its kernels with it)"
+    lib_path = tmp_path / "token_ops_portable.so"
+    subprocess.run([cc, "-O2", "-march=x86-64", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+                    "-Werror=implicit-function-declaration", str(SOURCE), "-o", str(lib_path),
+                    "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    x = torch.randn(5, 300)
+    x[1, 7] = x[1, 200] = 9.0
+    x[2, 50] = float("nan")
+    out = torch.empty(5, dtype=torch.int64)
+    lib.greedy_f32.argtypes = [p, i64, i64, i64, p]
+    assert lib.greedy_f32(x.data_ptr(), 300, 5, 300, out.data_ptr()) == 0
+    assert torch.equal(out, x.argmax(-1))
+    y = torch.randn(3, 40)
+    got = torch.empty(3, 20)
+    lib.silu_and_mul_f32.argtypes = [p, i64, i64, i64, p]
+    assert lib.silu_and_mul_f32(y.data_ptr(), 40, 3, 20, got.data_ptr()) == 0
+    _close(got, ref.silu_and_mul(y))

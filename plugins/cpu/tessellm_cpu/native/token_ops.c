@@ -180,9 +180,10 @@ static inline __m512 vround_bf16(__m512 v) {
             const __m512 s = VROUND(silu16(VLOAD(a + j, k)));                                \
             VSTORE(y + j, k, VROUND(_mm512_mul_ps(s, VLOAD(b + j, k))));                     \
         }
-#define SILU_VEC(SUFFIX) SILU_BODY(vload_##SUFFIX, vstore_##SUFFIX, vround_##SUFFIX)
+#define SILU_VEC(SUFFIX, LOAD, STORE, ROUND) \
+    SILU_BODY(vload_##SUFFIX, vstore_##SUFFIX, vround_##SUFFIX)
 #else
-#define SILU_VEC(SUFFIX)                                                                     \
+#define SILU_VEC(SUFFIX, LOAD, STORE, ROUND)                                                 \
         for (int64_t j = 0; j < F; j++) {                                                    \
             const float v = LOAD(a[j]);                                                      \
             const float e = exp_nonpos(v < 0.f ? v : -v);   /* exp(-|v|) */                  \
@@ -198,7 +199,7 @@ int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t F, TYPE *out) {    
     for (int64_t t = 0; t < T; t++) {                                                        \
         const TYPE *a = x + t * x_stride, *b = a + F;                                        \
         TYPE *y = out + t * F;                                                               \
-        SILU_VEC(SUFFIX)                                                                     \
+        SILU_VEC(SUFFIX, LOAD, STORE, ROUND)                                                 \
     }                                                                                        \
     return RK_OK;                                                                            \
 }
