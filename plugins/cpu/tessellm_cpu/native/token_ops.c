@@ -9,7 +9,11 @@
  *   x = round(x + residual) (written to `summed`): the reference's rounding points.
  * silu_and_mul_*: silu of the first half of each row times the second half (below).
  * write_kv_*: each token's K and V rows [HK * D] (rows of any stride) to its slot of a
- *   contiguous cache [2, NB, HK, BS, D]; slot < 0 is a padding token (skipped).
+ *   contiguous cache [2, NB, HK, BS, D]; slot < 0 is a padding token (skipped); tokens over
+ *   the threads once a step is large (its slots are distinct).
+ * rms_norm_*, rotary_*, silu_and_mul_*: AVX-512 intrinsics where the compiler targets it
+ *   (16 lanes, tails masked), loops the compiler vectorizes elsewhere; the same rounding
+ *   points either way.
  * greedy_*: the greedy token of each row of logits [T, V] (rows of any stride): the index of
  *   the first NaN if the row has one, else of the first occurrence of its largest value
  *   (torch.argmax's order; -0.0 and 0.0 are equal). One pass for the maximum, one for its
@@ -52,40 +56,8 @@ static int check_positions(const int64_t *pos, int64_t T, int64_t P) {
     return RK_OK;
 }
 
-#define ROTARY(NAME, TYPE, LOAD, STORE, ROUND)                                                \
-int NAME(const int64_t *pos, int64_t T, const TYPE *q, int64_t q_stride, int64_t HQ,         \
-         const TYPE *k, int64_t k_stride, int64_t HK, const float *cos_sin, int64_t P,        \
-         int64_t D, TYPE *q_out, TYPE *k_out) {                                               \
-    if (D <= 0 || D % 2) return RK_ERR_SHAPE;                                                 \
-    if (check_positions(pos, T, P)) return RK_ERR_POSITION;                                   \
-    const int64_t half = D / 2;                                                               \
-    _Pragma("omp parallel for schedule(static) if (T * (HQ + HK) * D >= PARALLEL_MIN)")       \
-    for (int64_t t = 0; t < T; t++) {                                                         \
-        const float *cs = cos_sin + pos[t] * D;                                               \
-        for (int which = 0; which < 2; which++) {                                             \
-            const TYPE *src = which ? k + t * k_stride : q + t * q_stride;                    \
-            TYPE *dst = which ? k_out + t * HK * D : q_out + t * HQ * D;                      \
-            const int64_t heads = which ? HK : HQ;                                            \
-            for (int64_t h = 0; h < heads; h++) {                                             \
-                const TYPE *x = src + h * D;                                                  \
-                TYPE *y = dst + h * D;                                                        \
-                _Pragma("omp simd")                                                           \
-                for (int64_t j = 0; j < half; j++) {                                          \
-                    const float c = ROUND(cs[j]), s = ROUND(cs[half + j]);                    \
-                    const float x1 = LOAD(x[j]), x2 = LOAD(x[half + j]);                      \
-                    y[j] = STORE(x1 * c - x2 * s);                                            \
-                    y[half + j] = STORE(x2 * c + x1 * s);                                     \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    return RK_OK;                                                                             \
-}
-
 #define ID(x) (x)
 #define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
-ROTARY(rotary_f32, float, ID, ID, ID)
-ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
 
 /* elem: bytes per element (4 or 2: the cache has the activations' dtype) */
 int write_kv(const uint8_t *k, int64_t k_stride, const uint8_t *v, int64_t v_stride,
@@ -95,6 +67,8 @@ int write_kv(const uint8_t *k, int64_t k_stride, const uint8_t *v, int64_t v_str
     for (int64_t t = 0; t < T; t++)
         if (slots[t] >= NB * BS) return RK_ERR_SLOT;
     const int64_t row = D * elem, half = NB * HK * BS * D * elem;
+    /* a step's tokens own distinct slots, so threads never write the same row */
+#pragma omp parallel for schedule(static) if (T * HK * D >= PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         const int64_t s = slots[t];
         if (s < 0) continue;
@@ -108,39 +82,6 @@ int write_kv(const uint8_t *k, int64_t k_stride, const uint8_t *v, int64_t v_str
     return RK_OK;
 }
 
-#define RMS_NORM(NAME, TYPE, LOAD, STORE, ROUND)                                             \
-int NAME(const TYPE *x, int64_t x_stride, const TYPE *res, int64_t res_stride,              \
-         const TYPE *w, int64_t T, int64_t H, float eps, TYPE *out, TYPE *summed) {          \
-    if (H <= 0) return RK_ERR_SHAPE;                                                         \
-    _Pragma("omp parallel for schedule(static) if (T * H >= PARALLEL_MIN)")                  \
-    for (int64_t t = 0; t < T; t++) {                                                        \
-        const TYPE *xr = x + t * x_stride;                                                   \
-        TYPE *sr = summed ? summed + t * H : 0;                                              \
-        float ss = 0.f;                                                                      \
-        if (res) {                                                                           \
-            const TYPE *rr = res + t * res_stride;                                           \
-            _Pragma("omp simd reduction(+:ss)")                                              \
-            for (int64_t j = 0; j < H; j++) {                                                \
-                const float v = ROUND(LOAD(xr[j]) + LOAD(rr[j]));                            \
-                sr[j] = STORE(v);                                                            \
-                ss += v * v;                                                                 \
-            }                                                                                \
-        } else {                                                                             \
-            _Pragma("omp simd reduction(+:ss)")                                              \
-            for (int64_t j = 0; j < H; j++) { const float v = LOAD(xr[j]); ss += v * v; }    \
-        }                                                                                    \
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);                                 \
-        TYPE *o = out + t * H;                                                               \
-        const TYPE *src = res ? sr : xr;                                                     \
-        _Pragma("omp simd")                                                                  \
-        for (int64_t j = 0; j < H; j++)                                                      \
-            o[j] = STORE(LOAD(w[j]) * ROUND(LOAD(src[j]) * inv));                            \
-    }                                                                                        \
-    return RK_OK;                                                                            \
-}
-
-RMS_NORM(rms_norm_f32, float, ID, ID, ID)
-RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND)
 
 /* silu_and_mul_*: y[t, j] = round(silu(x[t, j])) * x[t, F + j] for rows of 2F (rows of any
  * stride), rounded once more: the reference's two rounding points (silu in float32 math). */
@@ -191,6 +132,126 @@ static inline __m512 vround_bf16(__m512 v) {
             y[j] = STORE(ROUND(v * sig) * LOAD(b[j]));                                       \
         }
 #endif
+
+/* rotary_*: per head, the rotated halves 16 lanes at a time with AVX-512 (cos and sin rounded
+ * to the activation dtype first, products rounded one by one as the scalar code rounds them);
+ * else loops the compiler vectorizes. */
+#ifdef __AVX512F__
+#define ROT_HEAD(TYPE, LOAD, STORE, ROUND, SUFFIX)                                           \
+                for (int64_t j = 0; j < half; j += 16) {                                     \
+                    const __mmask16 m = half - j >= 16 ? (__mmask16)0xffff                    \
+                                                       : (__mmask16)((1u << (half - j)) - 1u); \
+                    const __m512 c = vround_##SUFFIX(_mm512_maskz_loadu_ps(m, cs + j));      \
+                    const __m512 s = vround_##SUFFIX(_mm512_maskz_loadu_ps(m, cs + half + j)); \
+                    const __m512 x1 = vload_##SUFFIX(x + j, m);                              \
+                    const __m512 x2 = vload_##SUFFIX(x + half + j, m);                       \
+                    vstore_##SUFFIX(y + j, m, _mm512_sub_ps(_mm512_mul_ps(x1, c),            \
+                                                            _mm512_mul_ps(x2, s)));          \
+                    vstore_##SUFFIX(y + half + j, m, _mm512_add_ps(_mm512_mul_ps(x2, c),     \
+                                                                   _mm512_mul_ps(x1, s)));   \
+                }
+#else
+#define ROT_HEAD(TYPE, LOAD, STORE, ROUND, SUFFIX)                                           \
+                _Pragma("omp simd")                                                          \
+                for (int64_t j = 0; j < half; j++) {                                         \
+                    const float c = ROUND(cs[j]), s = ROUND(cs[half + j]);                   \
+                    const float x1 = LOAD(x[j]), x2 = LOAD(x[half + j]);                     \
+                    y[j] = STORE(x1 * c - x2 * s);                                           \
+                    y[half + j] = STORE(x2 * c + x1 * s);                                    \
+                }
+#endif
+
+#define ROTARY(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                       \
+int NAME(const int64_t *pos, int64_t T, const TYPE *q, int64_t q_stride, int64_t HQ,         \
+         const TYPE *k, int64_t k_stride, int64_t HK, const float *cos_sin, int64_t P,        \
+         int64_t D, TYPE *q_out, TYPE *k_out) {                                               \
+    if (D <= 0 || D % 2) return RK_ERR_SHAPE;                                                 \
+    if (check_positions(pos, T, P)) return RK_ERR_POSITION;                                   \
+    const int64_t half = D / 2;                                                               \
+    _Pragma("omp parallel for schedule(static) if (T * (HQ + HK) * D >= PARALLEL_MIN)")       \
+    for (int64_t t = 0; t < T; t++) {                                                         \
+        const float *cs = cos_sin + pos[t] * D;                                               \
+        for (int which = 0; which < 2; which++) {                                             \
+            const TYPE *src = which ? k + t * k_stride : q + t * q_stride;                    \
+            TYPE *dst = which ? k_out + t * HK * D : q_out + t * HQ * D;                      \
+            const int64_t heads = which ? HK : HQ;                                            \
+            for (int64_t h = 0; h < heads; h++) {                                             \
+                const TYPE *x = src + h * D;                                                  \
+                TYPE *y = dst + h * D;                                                        \
+                ROT_HEAD(TYPE, LOAD, STORE, ROUND, SUFFIX)                                    \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    return RK_OK;                                                                             \
+}
+
+ROTARY(rotary_f32, float, ID, ID, ID, f32)
+ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
+
+/* rms_norm_*: one row per iteration; with AVX-512 16 lanes at a time (the tail masked), the
+ * sum of squares in 16 float32 partial sums; else loops the compiler vectorizes. */
+#ifdef __AVX512F__
+#define RMS_ROW(TYPE, LOAD, STORE, ROUND, SUFFIX)                                            \
+        __m512 acc = _mm512_setzero_ps();                                                    \
+        for (int64_t j = 0; j < H; j += 16) {                                                \
+            const __mmask16 k = H - j >= 16 ? (__mmask16)0xffff                               \
+                                            : (__mmask16)((1u << (H - j)) - 1u);             \
+            __m512 v = vload_##SUFFIX(xr + j, k);                                            \
+            if (res) {                                                                       \
+                v = vround_##SUFFIX(_mm512_add_ps(v, vload_##SUFFIX(res + t * res_stride + j, \
+                                                                    k)));                    \
+                vstore_##SUFFIX(sr + j, k, v);                                               \
+            }                                                                                \
+            acc = _mm512_fmadd_ps(v, v, acc);                                                \
+        }                                                                                    \
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H  \
+                                                       + eps));                              \
+        TYPE *o = out + t * H;                                                               \
+        const TYPE *src = res ? sr : xr;                                                     \
+        for (int64_t j = 0; j < H; j += 16) {                                                \
+            const __mmask16 k = H - j >= 16 ? (__mmask16)0xffff                               \
+                                            : (__mmask16)((1u << (H - j)) - 1u);             \
+            const __m512 n = vround_##SUFFIX(_mm512_mul_ps(vload_##SUFFIX(src + j, k), inv)); \
+            vstore_##SUFFIX(o + j, k, _mm512_mul_ps(vload_##SUFFIX(w + j, k), n));           \
+        }
+#else
+#define RMS_ROW(TYPE, LOAD, STORE, ROUND, SUFFIX)                                            \
+        float ss = 0.f;                                                                      \
+        if (res) {                                                                           \
+            const TYPE *rr = res + t * res_stride;                                           \
+            _Pragma("omp simd reduction(+:ss)")                                              \
+            for (int64_t j = 0; j < H; j++) {                                                \
+                const float v = ROUND(LOAD(xr[j]) + LOAD(rr[j]));                            \
+                sr[j] = STORE(v);                                                            \
+                ss += v * v;                                                                 \
+            }                                                                                \
+        } else {                                                                             \
+            _Pragma("omp simd reduction(+:ss)")                                              \
+            for (int64_t j = 0; j < H; j++) { const float v = LOAD(xr[j]); ss += v * v; }    \
+        }                                                                                    \
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);                                 \
+        TYPE *o = out + t * H;                                                               \
+        const TYPE *src = res ? sr : xr;                                                     \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t j = 0; j < H; j++)                                                      \
+            o[j] = STORE(LOAD(w[j]) * ROUND(LOAD(src[j]) * inv));
+#endif
+
+#define RMS_NORM(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                     \
+int NAME(const TYPE *x, int64_t x_stride, const TYPE *res, int64_t res_stride,              \
+         const TYPE *w, int64_t T, int64_t H, float eps, TYPE *out, TYPE *summed) {          \
+    if (H <= 0) return RK_ERR_SHAPE;                                                         \
+    _Pragma("omp parallel for schedule(static) if (T * H >= PARALLEL_MIN)")                  \
+    for (int64_t t = 0; t < T; t++) {                                                        \
+        const TYPE *xr = x + t * x_stride;                                                   \
+        TYPE *sr = summed ? summed + t * H : 0;                                              \
+        RMS_ROW(TYPE, LOAD, STORE, ROUND, SUFFIX)                                            \
+    }                                                                                        \
+    return RK_OK;                                                                            \
+}
+
+RMS_NORM(rms_norm_f32, float, ID, ID, ID, f32)
+RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 
 #define SILU_AND_MUL(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                 \
 int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t F, TYPE *out) {                \
