@@ -64,17 +64,21 @@ class _Native:
     def supports(query: KernelQuery) -> bool:
         return query.dtype in _DTYPES
 
+    def _per_dtype(self, stem: str, argtypes: list) -> dict[torch.dtype, ctypes._CFuncPtr]:
+        """The float32 and bfloat16 entry points `<stem>_f32` and `<stem>_bf16` (int result)."""
+        fns = {}
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = entry_point(self._lib, f"{stem}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            fns[dtype] = fn
+        return fns
+
 
 class NativeRotary(_Native):
     def __init__(self) -> None:
         super().__init__()
-        self._fns = {}
-        for dtype, name in ((torch.float32, "rotary_f32"), (torch.bfloat16, "rotary_bf16")):
-            fn = entry_point(self._lib, name)
-            fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
-                           _ptr, _ptr]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = self._per_dtype("rotary", [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                               _ptr, _i64, _i64, _ptr, _ptr])
 
     def __call__(self, positions, q, k, cos_sin, head_dim):
         fn = self._fns.get(q.dtype)
@@ -130,12 +134,8 @@ class NativeRmsNorm(_Native):
 
     def __init__(self) -> None:
         super().__init__()
-        self._fns = {}
-        for dtype, name in ((torch.float32, "rms_norm_f32"), (torch.bfloat16, "rms_norm_bf16")):
-            fn = entry_point(self._lib, name)
-            fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _ptr, _ptr]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = self._per_dtype("rms_norm", [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32,
+                                                 _ptr, _ptr])
 
     def _run(self, x, residual, weight, eps):
         fn = self._fns.get(x.dtype)
@@ -177,13 +177,7 @@ class NativeSiluAndMul(_Native):
 
     def __init__(self) -> None:
         super().__init__()
-        self._fns = {}
-        for dtype, name in ((torch.float32, "silu_and_mul_f32"),
-                            (torch.bfloat16, "silu_and_mul_bf16")):
-            fn = entry_point(self._lib, name)
-            fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = self._per_dtype("silu_and_mul", [_ptr, _i64, _i64, _i64, _ptr])
 
     def __call__(self, x):
         fn = self._fns.get(x.dtype)
@@ -203,12 +197,7 @@ class NativeGreedy(_Native):
 
     def __init__(self) -> None:
         super().__init__()
-        self._fns = {}
-        for dtype, name in ((torch.float32, "greedy_f32"), (torch.bfloat16, "greedy_bf16")):
-            fn = entry_point(self._lib, name)
-            fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = self._per_dtype("greedy", [_ptr, _i64, _i64, _i64, _ptr])
 
     def __call__(self, logits):
         fn = self._fns.get(logits.dtype)
