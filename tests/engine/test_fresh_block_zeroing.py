@@ -3,8 +3,6 @@ in full (a prefill covering them). A pool poisoned with NaN before the first req
 by kernels that attend over whole padded blocks, still gives the reference tokens."""
 from __future__ import annotations
 
-import torch
-
 from tessellm import LLM, SamplingParams
 from tessellm.engine.model_runner import ModelRunner
 

@@ -410,6 +410,7 @@ def test_the_cpu_engine_chooses_a_greedy_kernel_for_every_row_bucket(stories_dir
     sampler uses it (test_engine_devices checks the greedy tokens end to end)."""
     from tessellm import LLM
     from tessellm.engine.kernel_warmup import choose_kernels
+    from tessellm.engine.sampler import greedy_kernel_query
     llm = LLM(str(stories_dir), dtype="bfloat16", max_num_seqs=4, load_progress=False)
     try:
         choices = choose_kernels(llm.engine.parts, progress=False)
@@ -418,8 +419,11 @@ def test_the_cpu_engine_chooses_a_greedy_kernel_for_every_row_bucket(stories_dir
         assert set(greedy) == {f"{dt}|T{b}" for dt in ("bfloat16", "float32")
                                for b in (1, 2, 4)}
         assert set(greedy.values()) <= {"greedy_native", "greedy_torch_max"}
-        assert llm.engine.runner.sampler.select_greedy is not None
         out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
         assert len(out[0].token_ids) == 4
+        parts = llm.engine.parts
+        vocab = parts.spec.vocab_size
+        chosen = parts.selector.select(greedy_kernel_query(1, vocab, torch.bfloat16))
+        assert llm.engine.runner.sampler._greedy_fns[(1, vocab, torch.bfloat16)] is chosen.fn
     finally:
         llm.close()

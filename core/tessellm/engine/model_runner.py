@@ -161,7 +161,7 @@ class ModelRunner:
         self.swapper.swap_out(ops.swap_out)
         self.swapper.before_reuse(ops.fresh)
         written = set(ops.written_in_full)
-        self._zero_blocks([b for b in ops.fresh if b not in written] if written else ops.fresh)
+        self._zero_blocks([b for b in ops.fresh if b not in written])
         self.swapper.copy_blocks(ops.copies)
         return self.swapper.swap_in(ops.swap_in)
 
