@@ -27,7 +27,10 @@ FORMATS = list(PACKED_FORMATS.values())
 IDS = [f.name for f in FORMATS]
 KERNELS = [k for k in cpu_kernels("cpu") if k.op == "linear_packed"]
 # (M, N, K): K = 96 and 608 are not multiples of 256 (only of the 32-weight block); odd N.
-SHAPES = [(1, 37, 96), (64, 37, 96), (1, 61, 608), (64, 61, 608), (3, 1, 32), (9, 129, 256)]
+# K = 2080 is 65 blocks: four whole groups of 16 (the AVX-512 kernels convert the scales of 16
+# blocks at once) and one block more; M = 8 is one whole tile of rows, M = 9 one more row.
+SHAPES = [(1, 37, 96), (64, 37, 96), (1, 61, 608), (64, 61, 608), (3, 1, 32), (9, 129, 256),
+          (1, 6, 2080), (8, 6, 2080)]
 
 
 def _weights(n: int, k: int, seed: int = 0) -> torch.Tensor:

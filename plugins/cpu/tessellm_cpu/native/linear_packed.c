@@ -2,7 +2,7 @@
  * out[M, N] = x[M, K] @ W[N, K]^T (+ bias), W read in its packed form, never expanded.
  * (embedding_packed_f32 at the end: rows of such a weight, dequantized, for the embedding.)
  *
- * Layouts: x float32 [M, K] contiguous; W rows of K / 32 blocks (see tessellm.quant.formats):
+ * Layouts: x float32 [M, K] contiguous; W rows of K / 32 blocks (packed_blocks.h):
  *   Q8_0 34 B: fp16 d, int8 q[32]              w = d * q
  *   Q4_0 18 B: fp16 d, u8 qs[16]               w = d * (q - 8)
  *   Q4_1 20 B: fp16 d, fp16 m, u8 qs[16]       w = d * q + m
@@ -11,21 +11,19 @@
  * (-8 d or m) times the block's sum of x, precomputed once per row of x. The result equals the
  * float32 product with the dequantized weight up to summation order.
  * Work: OpenMP over output features n; each n runs over tiles of up to MT rows of x so each
- * block is decoded once per tile. AVX-512 where the compiler targets it, else portable C.
+ * block is decoded once per tile. AVX-512 where the compiler targets it (the scales of 16
+ * blocks converted at once, a nibble turned into its float by a 16-entry table lookup), else
+ * portable C.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "packed_blocks.h"
 #include "prefetch.h"
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #define INLINE static inline __attribute__((always_inline))
-#define QK 32
 #define MT 8
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
 INLINE float f16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -49,10 +47,6 @@ INLINE float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
-INLINE int64_t block_bytes(int qtype) {
-    return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18;
-}
-
 /* Per-row sums of x over each block of 32: xs[m * nb + b]. */
 static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
     int64_t nb = K / QK;
@@ -65,42 +59,102 @@ static void block_sums(const float *x, int64_t M, int64_t K, float *xs) {
         }
 }
 
+#ifdef __AVX512F__
+/* The 32 weights of a block over its scale d: q (Q8_0; Q4_x: the nibble, by a lookup in the
+ * 16 levels, as vpermps reads only an index's low 4 bits), weights 0-15 in lo, 16-31 in hi. */
+INLINE void block_levels(const uint8_t *blk, int qtype, __m512 *lo, __m512 *hi) {
+    if (qtype == Q8_0) {
+        *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+    } else {
+        const __m512 levels = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f,
+                                             10.f, 11.f, 12.f, 13.f, 14.f, 15.f);
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2))));
+        *lo = _mm512_permutexvar_ps(v, levels);
+        *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));   /* a conversion: spares port 5 */
+    }
+}
+
+/* One output feature (weight row wrow) for rows m0 .. m0 + mt - 1 of x: each block is decoded
+ * once for the whole tile; the scales of 16 blocks are converted at once. */
+INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *wrow,
+                     int qtype, int64_t m0, int mt, float *res) {
+    const int64_t nb = K / QK, bb = block_bytes(qtype);
+    __m512 acc[MT], off[MT];
+    float ds[16];
+    for (int i = 0; i < MT; i++) { acc[i] = _mm512_setzero_ps(); off[i] = _mm512_setzero_ps(); }
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int64_t ng = nb - g < 16 ? nb - g : 16;
+        const __mmask16 gm = group_mask(ng);
+        const __m512i heads = block_heads(wrow + g * bb, bb, gm);
+        const __m512 d = half_lo(heads), o = block_offsets(heads, d, qtype);
+        _mm512_storeu_ps(ds, d);
+        for (int i = 0; i < mt; i++)
+            off[i] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(gm, xs + (m0 + i) * nb + g), off[i]);
+        for (int64_t j = 0; j < ng; j++) {
+            __m512 lo, hi;
+            block_levels(wrow + (g + j) * bb, qtype, &lo, &hi);
+            const __m512 vd = _mm512_set1_ps(ds[j]);
+            for (int i = 0; i < mt; i++) {
+                const float *xp = x + (m0 + i) * K + (g + j) * QK;
+                const __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + 16),
+                                                 _mm512_mul_ps(lo, _mm512_loadu_ps(xp)));
+                acc[i] = _mm512_fmadd_ps(t, vd, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(off[i]);
+}
+
+#define NR 4
+/* Decode (one row of x): NR output features at once, so each x block is loaded once for all of
+ * them and NR independent accumulator chains hide the FMA latency. res[r] for row n0 + r. */
+INLINE void rows_x1(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
+                    int qtype, int64_t n0, int nr, float *res) {
+    const int64_t nb = K / QK, bb = block_bytes(qtype);
+    __m512 acc[NR], off[NR];
+    float ds[NR][16];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm512_setzero_ps(); off[r] = _mm512_setzero_ps(); }
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int64_t ng = nb - g < 16 ? nb - g : 16;
+        const __mmask16 gm = group_mask(ng);
+        const __m512 sx = _mm512_maskz_loadu_ps(gm, xs + g);
+        for (int r = 0; r < nr; r++) {
+            const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
+            const __m512 d = half_lo(heads);
+            off[r] = _mm512_fmadd_ps(block_offsets(heads, d, qtype), sx, off[r]);
+            _mm512_storeu_ps(ds[r], d);
+        }
+        for (int64_t j = 0; j < ng; j++) {
+            const float *xp = x + (g + j) * QK;
+            const __m512 xlo = _mm512_loadu_ps(xp), xhi = _mm512_loadu_ps(xp + 16);
+            for (int r = 0; r < nr; r++) {
+                __m512 lo, hi;
+                block_levels(w + (n0 + r) * row + (g + j) * bb, qtype, &lo, &hi);
+                const __m512 t = _mm512_fmadd_ps(hi, xhi, _mm512_mul_ps(lo, xlo));
+                acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][j]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        res[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(off[r]);
+}
+
+/* rows_x1 with qtype a constant in each call. */
+INLINE void decode_group(const float *x, const float *xs, int64_t K, const uint8_t *w,
+                         int64_t row, int qtype, int64_t n0, int nr, float *res) {
+    if (qtype == Q4_1) rows_x1(x, xs, K, w, row, Q4_1, n0, nr, res);
+    else if (qtype == Q4_0) rows_x1(x, xs, K, w, row, Q4_0, n0, nr, res);
+    else rows_x1(x, xs, K, w, row, Q8_0, n0, nr, res);
+}
+#else
 /* One output feature n for rows m0 .. m0 + mt - 1. */
 INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *wrow,
                      int qtype, int64_t m0, int mt, float *res) {
     const int64_t nb = K / QK, bb = block_bytes(qtype);
-    float off[MT] = {0};
-#ifdef __AVX512F__
-    __m512 acc[MT];
-    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = wrow + b * bb;
-        const float d = f16_to_f32(blk);
-        __m512 lo, hi;
-        float o;  /* offset per unit of x sum: -8 d (Q4_0), m (Q4_1), 0 (Q8_0) */
-        if (qtype == Q8_0) {
-            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-            o = 0.f;
-        } else {
-            const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-            lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
-            hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-            o = qtype == Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
-        }
-        const __m512 vd = _mm512_set1_ps(d);
-        for (int i = 0; i < mt; i++) {
-            const float *xp = x + (m0 + i) * K + b * QK;
-            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xp));
-            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + 16), t);
-            acc[i] = _mm512_fmadd_ps(t, vd, acc[i]);
-            off[i] += o * xs[(m0 + i) * nb + b];
-        }
-    }
-    for (int i = 0; i < mt; i++) res[i] = _mm512_reduce_add_ps(acc[i]) + off[i];
-#else
-    float acc[MT] = {0};
+    float acc[MT] = {0}, off[MT] = {0};
     float q[QK];
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + b * bb;
@@ -123,44 +177,16 @@ INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *
         }
     }
     for (int i = 0; i < mt; i++) res[i] = acc[i] + off[i];
-#endif
 }
+#endif
 
-#ifdef __AVX512F__
-#define NR 4
-/* Decode (one row of x): NR output features at once, so each x block is loaded once for all of
- * them and NR independent accumulator chains hide the FMA latency. res[r] for row n0 + r. */
-INLINE void rows_x1(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
-                    int qtype, int64_t n0, int nr, float *res) {
-    const int64_t nb = K / QK, bb = block_bytes(qtype);
-    __m512 acc[NR];
-    float off[NR];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm512_setzero_ps(); off[r] = 0.f; }
-    const __m512i nib = _mm512_set1_epi32(0x0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const __m512 xlo = _mm512_loadu_ps(x + b * QK), xhi = _mm512_loadu_ps(x + b * QK + 16);
-        const float sb = xs[b];
-        for (int r = 0; r < nr; r++) {
-            const uint8_t *blk = w + (n0 + r) * row + b * bb;
-            const float d = f16_to_f32(blk);
-            __m512 lo, hi;
-            if (qtype == Q8_0) {
-                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-            } else {
-                const __m512i v = _mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2))));
-                lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, nib));
-                hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-                off[r] += (qtype == Q4_1 ? f16_to_f32(blk + 2) : -8.f * d) * sb;
-            }
-            const __m512 t = _mm512_fmadd_ps(hi, xhi, _mm512_mul_ps(lo, xlo));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(d), acc[r]);
-        }
-    }
-    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]) + off[r];
+/* row_tile with qtype a constant in each call. */
+INLINE void tile_group(const float *x, const float *xs, int64_t K, const uint8_t *wrow,
+                       int qtype, int64_t m0, int mt, float *res) {
+    if (qtype == Q4_1) row_tile(x, xs, K, wrow, Q4_1, m0, mt, res);
+    else if (qtype == Q4_0) row_tile(x, xs, K, wrow, Q4_0, m0, mt, res);
+    else row_tile(x, xs, K, wrow, Q8_0, m0, mt, res);
 }
-#endif
 
 /* Returns 0, 1 on a bad format or K, 2 when scratch memory cannot be allocated. */
 int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
@@ -178,7 +204,10 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
             const int64_t n0 = g * NR;
             const int nr = (int)(N - n0 < NR ? N - n0 : NR);
             prefetch_group_ahead(w, g, (N + NR - 1) / NR, NR * row, N * row);
-            rows_x1(x, xs, K, w, row, qtype, n0, nr, res);
+            if (nr == NR)   /* constant nr and qtype: the inlined loop keeps acc in registers */
+                decode_group(x, xs, K, w, row, qtype, n0, NR, res);
+            else
+                decode_group(x, xs, K, w, row, qtype, n0, nr, res);
             for (int r = 0; r < nr; r++) out[n0 + r] = res[r] + (bias ? bias[n0 + r] : 0.f);
         }
         free(xs);
@@ -191,7 +220,10 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
         const float bn = bias ? bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = (int)(M - m0 < MT ? M - m0 : MT);
-            row_tile(x, xs, K, w + n * row, qtype, m0, mt, res);
+            if (mt == MT)   /* constant mt and qtype: the inlined loop keeps acc in registers */
+                tile_group(x, xs, K, w + n * row, qtype, m0, MT, res);
+            else
+                tile_group(x, xs, K, w + n * row, qtype, m0, mt, res);
             for (int i = 0; i < mt; i++) out[(m0 + i) * N + n] = res[i] + bn;
         }
     }

@@ -21,17 +21,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "packed_blocks.h"
 #include "prefetch.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
 #error "linear_q8act needs AVX-512 F, BW and VNNI"
 #endif
 
-#define QK 32
 #define NR 4   /* output features per group */
 #define MR 4   /* rows of x per tile */
 #define INLINE static inline __attribute__((always_inline))
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
 
 /* Scratch for one row of x: xq (nb rounded up to even, 32 bytes a block), then dx and sx
  * (dx * sum of the block's xq), nb rounded up to 16 floats each. */
@@ -89,22 +88,6 @@ INLINE __m512i pair_lanes(int j, int interleave) {
     return _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
 }
 
-INLINE __mmask16 group_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
-
-/* The fp16 words at the start of blocks g .. g + 15 of a row (`base` = block g), as 32-bit
- * lanes: the block's d in the low half, the next fp16 (Q4_1's m) in the high half. */
-INLINE __m512i block_heads(const uint8_t *base, int64_t bb, __mmask16 gm) {
-    const __m512i idx = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)bb));
-    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), gm, idx, base, 1);
-}
-
-INLINE __m512 half_lo(__m512i words) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)); }
-INLINE __m512 half_hi(__m512i words) {
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
-}
-
 /* Rows xr[0 .. mr - 1] of x (mr <= MR) against weight rows n0 .. n0 + nr - 1 (4-bit, blocks
  * read in place): res[r * MR + i]. Each unpacked pair of weight blocks serves all mr rows, so
  * a prefill reads and unpacks the weights once per MR rows instead of once per row. Per
@@ -125,7 +108,7 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         for (int r = 0; r < nr; r++) {
             const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
             d[r] = half_lo(heads);
-            const __m512 m = qtype == Q4_1 ? half_hi(heads) : _mm512_mul_ps(d[r], _mm512_set1_ps(-8.f));
+            const __m512 m = block_offsets(heads, d[r], qtype);
             for (int i = 0; i < mr; i++)   /* the offset term: m dx sum(xq) */
                 acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
         }
@@ -228,7 +211,7 @@ int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int
         return 1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK;
-    const int64_t row = nb * (qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18);
+    const int64_t row = nb * block_bytes(qtype);
     const int interleave = qtype != Q8_0;
     const size_t per_row = round_up((int64_t)row_bytes(nb), 64);
     uint8_t *scratch = aligned_alloc(64, per_row * (size_t)M);
