@@ -10,10 +10,12 @@
  * Math in float32: per block t = q . x_block, then acc += d * t, plus the offset term
  * (-8 d or m) times the block's sum of x, precomputed once per row of x. The result equals the
  * float32 product with the dequantized weight up to summation order.
- * Work: OpenMP over output features n; each n runs over tiles of up to MT rows of x so each
- * block is decoded once per tile. AVX-512 where the compiler targets it (the scales of 16
- * blocks converted at once, a nibble turned into its float by a 16-entry table lookup), else
- * portable C.
+ * Work (AVX-512): OpenMP over groups of NR output features, each thread's groups in order and
+ * prefetched about 4 KiB ahead; a group runs the rows of x in tiles of MR (then one at a
+ * time), so each decoded block serves MR rows and each x block NR features, and the group's
+ * weights stay in L1 across the tiles. The scales of 16 blocks are converted at once and a
+ * nibble becomes its float by a 16-entry table lookup. Portable C otherwise: OpenMP over
+ * output features, tiles of MT rows.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,7 +25,7 @@
 #include "prefetch.h"
 
 #define INLINE static inline __attribute__((always_inline))
-#define MT 8
+#define MT 8   /* rows of x per tile (portable path) */
 
 INLINE float f16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -76,78 +78,69 @@ INLINE void block_levels(const uint8_t *blk, int qtype, __m512 *lo, __m512 *hi) 
     }
 }
 
-/* One output feature (weight row wrow) for rows m0 .. m0 + mt - 1 of x: each block is decoded
- * once for the whole tile; the scales of 16 blocks are converted at once. */
-INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *wrow,
-                     int qtype, int64_t m0, int mt, float *res) {
+#define NR 4   /* output features per group */
+#define MR 4   /* rows of x per tile */
+/* Rows m0 .. m0 + mr - 1 of x against weight rows n0 .. n0 + nr - 1 (mr <= MR, nr <= NR):
+ * res[r * MR + i]. Each decoded weight block serves the mr rows and each x block the nr
+ * features; per output the operations and their order do not depend on mr or nr (so a row's
+ * result does not depend on the batch it is in): for every 16 blocks the offset terms
+ * (16 lanes of o * block sum of x) are added into the accumulator, then for each block
+ * t = q . x (a multiply and an FMA) is added as t * d, and the 16 lanes are summed at the end. */
+INLINE void tile(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
+                 int qtype, int64_t n0, int nr, int64_t m0, int mr, float *res) {
     const int64_t nb = K / QK, bb = block_bytes(qtype);
-    __m512 acc[MT], off[MT];
-    float ds[16];
-    for (int i = 0; i < MT; i++) { acc[i] = _mm512_setzero_ps(); off[i] = _mm512_setzero_ps(); }
-    for (int64_t g = 0; g < nb; g += 16) {
-        const int64_t ng = nb - g < 16 ? nb - g : 16;
-        const __mmask16 gm = group_mask(ng);
-        const __m512i heads = block_heads(wrow + g * bb, bb, gm);
-        const __m512 d = half_lo(heads), o = block_offsets(heads, d, qtype);
-        _mm512_storeu_ps(ds, d);
-        for (int i = 0; i < mt; i++)
-            off[i] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(gm, xs + (m0 + i) * nb + g), off[i]);
-        for (int64_t j = 0; j < ng; j++) {
-            __m512 lo, hi;
-            block_levels(wrow + (g + j) * bb, qtype, &lo, &hi);
-            const __m512 vd = _mm512_set1_ps(ds[j]);
-            for (int i = 0; i < mt; i++) {
-                const float *xp = x + (m0 + i) * K + (g + j) * QK;
-                const __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + 16),
-                                                 _mm512_mul_ps(lo, _mm512_loadu_ps(xp)));
-                acc[i] = _mm512_fmadd_ps(t, vd, acc[i]);
-            }
-        }
-    }
-    for (int i = 0; i < mt; i++)
-        res[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(off[i]);
-}
-
-#define NR 4
-/* Decode (one row of x): NR output features at once, so each x block is loaded once for all of
- * them and NR independent accumulator chains hide the FMA latency. res[r] for row n0 + r. */
-INLINE void rows_x1(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
-                    int qtype, int64_t n0, int nr, float *res) {
-    const int64_t nb = K / QK, bb = block_bytes(qtype);
-    __m512 acc[NR], off[NR];
+    __m512 acc[NR][MR];
     float ds[NR][16];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm512_setzero_ps(); off[r] = _mm512_setzero_ps(); }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        const __m512 sx = _mm512_maskz_loadu_ps(gm, xs + g);
+        __m512 sx[MR];
+        for (int i = 0; i < mr; i++) sx[i] = _mm512_maskz_loadu_ps(gm, xs + (m0 + i) * nb + g);
         for (int r = 0; r < nr; r++) {
             const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
-            const __m512 d = half_lo(heads);
-            off[r] = _mm512_fmadd_ps(block_offsets(heads, d, qtype), sx, off[r]);
+            const __m512 d = half_lo(heads), o = block_offsets(heads, d, qtype);
             _mm512_storeu_ps(ds[r], d);
+            for (int i = 0; i < mr; i++) acc[r][i] = _mm512_fmadd_ps(o, sx[i], acc[r][i]);
         }
         for (int64_t j = 0; j < ng; j++) {
-            const float *xp = x + (g + j) * QK;
-            const __m512 xlo = _mm512_loadu_ps(xp), xhi = _mm512_loadu_ps(xp + 16);
             for (int r = 0; r < nr; r++) {
                 __m512 lo, hi;
                 block_levels(w + (n0 + r) * row + (g + j) * bb, qtype, &lo, &hi);
-                const __m512 t = _mm512_fmadd_ps(hi, xhi, _mm512_mul_ps(lo, xlo));
-                acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(ds[r][j]), acc[r]);
+                const __m512 vd = _mm512_set1_ps(ds[r][j]);
+                for (int i = 0; i < mr; i++) {
+                    const float *xp = x + (m0 + i) * K + (g + j) * QK;
+                    const __m512 t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + 16),
+                                                     _mm512_mul_ps(lo, _mm512_loadu_ps(xp)));
+                    acc[r][i] = _mm512_fmadd_ps(t, vd, acc[r][i]);
+                }
             }
         }
     }
     for (int r = 0; r < nr; r++)
-        res[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(off[r]);
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* rows_x1 with qtype a constant in each call. */
-INLINE void decode_group(const float *x, const float *xs, int64_t K, const uint8_t *w,
-                         int64_t row, int qtype, int64_t n0, int nr, float *res) {
-    if (qtype == Q4_1) rows_x1(x, xs, K, w, row, Q4_1, n0, nr, res);
-    else if (qtype == Q4_0) rows_x1(x, xs, K, w, row, Q4_0, n0, nr, res);
-    else rows_x1(x, xs, K, w, row, Q8_0, n0, nr, res);
+/* tile with qtype, and nr and mr where whole, constants in each call (the inlined loops then
+ * keep the accumulators in registers); writes the outputs (+ bias). */
+INLINE void tile_out(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
+                     int qtype, int64_t n0, int nr, int64_t m0, int mr, const float *bias,
+                     float *out, int64_t N) {
+    float res[NR * MR];
+#define TILE_Q(NRC, MRC)                                                                        \
+    do {                                                                                        \
+        if (qtype == Q4_1) tile(x, xs, K, w, row, Q4_1, n0, NRC, m0, MRC, res);                \
+        else if (qtype == Q4_0) tile(x, xs, K, w, row, Q4_0, n0, NRC, m0, MRC, res);           \
+        else tile(x, xs, K, w, row, Q8_0, n0, NRC, m0, MRC, res);                              \
+    } while (0)
+    if (nr == NR && mr == MR) TILE_Q(NR, MR);
+    else if (nr == NR && mr == 1) TILE_Q(NR, 1);
+    else TILE_Q(nr, mr);
+#undef TILE_Q
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < nr; r++)
+            out[(m0 + i) * N + n0 + r] = res[r * MR + i] + (bias ? bias[n0 + r] : 0.f);
 }
 #else
 /* One output feature n for rows m0 .. m0 + mt - 1. */
@@ -180,14 +173,6 @@ INLINE void row_tile(const float *x, const float *xs, int64_t K, const uint8_t *
 }
 #endif
 
-/* row_tile with qtype a constant in each call. */
-INLINE void tile_group(const float *x, const float *xs, int64_t K, const uint8_t *wrow,
-                       int qtype, int64_t m0, int mt, float *res) {
-    if (qtype == Q4_1) row_tile(x, xs, K, wrow, Q4_1, m0, mt, res);
-    else if (qtype == Q4_0) row_tile(x, xs, K, wrow, Q4_0, m0, mt, res);
-    else row_tile(x, xs, K, wrow, Q8_0, m0, mt, res);
-}
-
 /* Returns 0, 1 on a bad format or K, 2 when scratch memory cannot be allocated. */
 int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                       int qtype, const float *bias, float *out) {
@@ -197,36 +182,28 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
     if (!xs) return 2;
     block_sums(x, M, K, xs);
 #ifdef __AVX512F__
-    if (M == 1) {
+    const int64_t groups = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < (N + NR - 1) / NR; g++) {
-            float res[NR];
-            const int64_t n0 = g * NR;
-            const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-            prefetch_group_ahead(w, g, (N + NR - 1) / NR, NR * row, N * row);
-            if (nr == NR)   /* constant nr and qtype: the inlined loop keeps acc in registers */
-                decode_group(x, xs, K, w, row, qtype, n0, NR, res);
-            else
-                decode_group(x, xs, K, w, row, qtype, n0, nr, res);
-            for (int r = 0; r < nr; r++) out[n0 + r] = res[r] + (bias ? bias[n0 + r] : 0.f);
-        }
-        free(xs);
-        return 0;
+    for (int64_t grp = 0; grp < groups; grp++) {
+        const int64_t n0 = grp * NR;
+        const int nr = (int)(N - n0 < NR ? N - n0 : NR);
+        prefetch_group_ahead(w, grp, groups, NR * row, N * row);  /* each thread in order */
+        int64_t m0 = 0;
+        for (; m0 + MR <= M; m0 += MR) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, MR, bias, out, N);
+        for (; m0 < M; m0++) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, 1, bias, out, N);
     }
-#endif
+#else
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float res[MT];
         const float bn = bias ? bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = (int)(M - m0 < MT ? M - m0 : MT);
-            if (mt == MT)   /* constant mt and qtype: the inlined loop keeps acc in registers */
-                tile_group(x, xs, K, w + n * row, qtype, m0, MT, res);
-            else
-                tile_group(x, xs, K, w + n * row, qtype, m0, mt, res);
+            row_tile(x, xs, K, w + n * row, qtype, m0, mt, res);
             for (int i = 0; i < mt; i++) out[(m0 + i) * N + n] = res[i] + bn;
         }
     }
+#endif
     free(xs);
     return 0;
 }
