@@ -101,6 +101,19 @@ def test_native_kernel_is_offered_and_reads_views_in_place() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_native_rows_tiled_together_equal_rows_one_at_a_time(fmt) -> None:
+    """The native kernel tiles 4 rows of x against 4 weight rows; every output is computed by
+    the same operations in the same order as for a lone row, so the two agree to the bit (a
+    row's result does not depend on the batch it came in)."""
+    native = next(k for k in KERNELS if k.name == "linear_packed_native")
+    w = quantize(_weights(11, 32 * 19, seed=3), fmt)
+    x = torch.randn((10, 32 * 19), generator=torch.Generator().manual_seed(5))
+    batched = native.fn(x, w)
+    for i in range(x.shape[0]):
+        assert torch.equal(batched[i:i + 1], native.fn(x[i:i + 1], w))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_embedding_rows_dequantize_to_the_compute_dtype(fmt) -> None:
     w = quantize(_weights(50, 64), fmt, torch.bfloat16)
     ids = torch.tensor([3, 0, 49, 3])
