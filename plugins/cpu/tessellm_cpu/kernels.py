@@ -83,12 +83,14 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     unusable cache directory, a timeout, a corrupt object, ...) is not offered: a warning
     says why, and so does `not_offered` (kernel name -> reason), which the CPU device reports
     to `tessellm plugins`. Nothing here stops the device or its other kernels."""
-    from tessellm_cpu.native_attention import NativeDecode
+    from tessellm_cpu.native_attention import NativeDecode, NativePrefill
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
     from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeGreedy, NativeRmsNorm,
                                                NativeRotary, NativeSiluAndMul, NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
+             ("attention_prefill", "prefill_native_paged", NativePrefill,
+              "C, in-place paged reads, each query token causal over its sequence"),
              ("linear_packed", "linear_packed_native", NativePackedLinear,
               "C, reads Q8_0/Q4_0/Q4_1 blocks in place"),
              ("linear_packed_q8act", "linear_q8act_vnni", NativeQ8ActLinear,

@@ -1,9 +1,12 @@
-"""Paged-attention decode as a C kernel (native/paged_attention.c), called through ctypes.
+"""Paged attention as C kernels (native/paged_attention.c), called through ctypes: decode
+(one query token per sequence) and prefill (every query token of each sequence, causal, after
+any cached context).
 
-It reads K/V in place through the block tables: no gather copy, no padding, float32 math.
-Supports float32 and bfloat16 caches on the CPU. The C side checks every index it reads with
-(sequence lengths against the table width, block ids against the pool, heads against KV
-heads) and returns a code per problem, raised here as a ValueError naming it.
+Both read K/V in place through the block tables: no gather copy, no padding, float32 math.
+They support float32 and bfloat16 caches on the CPU. The C side checks every index it reads
+with (sequence lengths against the table width, block ids against the pool, heads against KV
+heads, the prefill's query offsets against the rows of q and the sequence lengths) and returns
+a code per problem, raised here as a ValueError naming it.
 """
 from __future__ import annotations
 
@@ -19,25 +22,32 @@ from tessellm_cpu.native_build import build_library, entry_point
 SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # q, kv, block_tables, bt_stride, bt_cols, seq_lens, out, B, H, NKV, D, BS, NB, scale, info
-_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32,
-             _ptr]
+_DECODE_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                    _f32, _ptr]
+# q, kv, block_tables, bt_stride, bt_cols, seq_lens, query_start_loc, out, B, NT, H, NKV, D,
+# BS, NB, scale, info
+_PREFILL_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                     _i64, _i64, _i64, _f32, _ptr]
 # paged_attention.c's PD_* return codes
 PD_OK, PD_ERR_ALLOC, PD_ERR_SHAPE, PD_ERR_HEADS = 0, 1, 2, 3
-PD_ERR_SEQ_LEN, PD_ERR_TABLE_WIDTH, PD_ERR_BLOCK_ID = 4, 5, 6
+PD_ERR_SEQ_LEN, PD_ERR_TABLE_WIDTH, PD_ERR_BLOCK_ID, PD_ERR_QUERY = 4, 5, 6, 7
 
 
-class NativeDecode:
-    """The loaded library's decode entry points, by dtype. `code_hash` identifies the built
-    code (source, flags, compiler, CPU) for the profiler's cache."""
+class _PagedAttention:
+    """The loaded library's entry points of one kind (`kind`: decode or prefill), by dtype.
+    `code_hash` identifies the built code (source, flags, compiler, CPU) for the profiler's
+    cache."""
+
+    kind: str
+    argtypes: list
 
     def __init__(self) -> None:
         native = build_library(SOURCE)
         self.code_hash = native.key
         self._fns = {}
-        for dtype, name in ((torch.float32, "paged_decode_f32"),
-                            (torch.bfloat16, "paged_decode_bf16")):
-            fn = entry_point(native, name)
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = entry_point(native, f"paged_{self.kind}_{suffix}")
+            fn.argtypes, fn.restype = self.argtypes, ctypes.c_int
             self._fns[dtype] = fn
         # The step's tables and lengths, checked and converted once per metadata object (every
         # layer of a step passes the same one): (meta, its block_tables and seq_lens as given,
@@ -56,39 +66,61 @@ class NativeDecode:
         num_seqs = meta.num_seqs
         tables = meta.block_tables
         if tables.dim() != 2 or tables.shape[0] < num_seqs:
-            raise ValueError(f"native decode needs a [{num_seqs}, max_blocks] block table, got "
-                             f"{tuple(tables.shape)}")
+            raise ValueError(f"native {self.kind} needs a [{num_seqs}, max_blocks] block table, "
+                             f"got {tuple(tables.shape)}")
         if tables.dtype != torch.int32 or tables.stride(-1) != 1:
             tables = tables.to(torch.int32).contiguous()
         seq_lens = meta.seq_lens.to(torch.int32).contiguous()
         if seq_lens.numel() != num_seqs:
             raise ValueError(f"{seq_lens.numel()} sequence lengths for {num_seqs} sequences")
         if not (tables.is_cpu and seq_lens.is_cpu):
-            raise ValueError("native decode reads block tables and lengths on the CPU")
+            raise ValueError(f"native {self.kind} reads block tables and lengths on the CPU")
         self._step = (meta, meta.block_tables, meta.seq_lens, tables, seq_lens)
         return tables, seq_lens
 
-    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+    def _checked(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
+        """(entry point, q contiguous, tables, seq_lens, the cache's sizes) after the checks
+        both kinds share."""
         fn = self._fns.get(q.dtype)
         if fn is None or kv_cache.dtype is not q.dtype:
-            raise TypeError(f"native decode supports float32/bfloat16, got {q.dtype} "
+            raise TypeError(f"native {self.kind} supports float32/bfloat16, got {q.dtype} "
                             f"with a {kv_cache.dtype} cache")
         if not (kv_cache.is_cpu and q.is_cpu):
-            raise ValueError("native decode runs on CPU tensors")
+            raise ValueError(f"native {self.kind} runs on CPU tensors")
         if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-            raise ValueError("native decode needs a contiguous [2, blocks, kv_heads, block_size, "
-                             f"head_dim] KV cache, got shape {tuple(kv_cache.shape)}")
+            raise ValueError(f"native {self.kind} needs a contiguous [2, blocks, kv_heads, "
+                             f"block_size, head_dim] KV cache, got shape {tuple(kv_cache.shape)}")
         _, num_blocks, num_kv_heads, block_size, head_dim = kv_cache.shape
         tables, seq_lens = self._step_tables(meta)
-        num_seqs = seq_lens.shape[0]
-        if q.dim() != 2 or q.shape[0] != num_seqs or q.shape[1] % head_dim != 0:
-            raise ValueError(f"native decode needs q of [{num_seqs}, heads * {head_dim}] (one "
-                             f"token per sequence), got {tuple(q.shape)}")
+        if q.dim() != 2 or q.shape[1] % head_dim != 0:
+            raise ValueError(f"native {self.kind} needs q of [tokens, heads * {head_dim}], got "
+                             f"{tuple(q.shape)}")
         if block_size != meta.block_size:
             raise ValueError(f"the KV cache has blocks of {block_size} tokens, the metadata "
                              f"{meta.block_size}")
-        q = q.contiguous()
+        return fn, q.contiguous(), tables, seq_lens, (num_blocks, num_kv_heads, block_size,
+                                                      head_dim)
+
+    def _raise(self, rc: int, info, seq_lens: torch.Tensor, tables: torch.Tensor,
+               num_heads: int, sizes: tuple[int, int, int, int]) -> None:
+        num_blocks, num_kv_heads, block_size, head_dim = sizes
+        _raise(self.kind, rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads,
+               head_dim, block_size, num_blocks)
+
+
+class NativeDecode(_PagedAttention):
+    """attention_decode: one query token per sequence (the last of each)."""
+
+    kind, argtypes = "decode", _DECODE_ARGTYPES
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        fn, q, tables, seq_lens, sizes = self._checked(q, kv_cache, meta)
+        num_blocks, num_kv_heads, block_size, head_dim = sizes
+        num_seqs = seq_lens.shape[0]
+        if q.shape[0] != num_seqs:
+            raise ValueError(f"native decode needs q of [{num_seqs}, heads * {head_dim}] (one "
+                             f"token per sequence), got {tuple(q.shape)}")
         num_heads = q.shape[1] // head_dim
         out = torch.empty_like(q)
         info = (ctypes.c_int64 * 2)(-1, -1)
@@ -97,31 +129,64 @@ class NativeDecode:
                 num_kv_heads, head_dim, block_size, num_blocks, scale,
                 ctypes.addressof(info))
         if rc != PD_OK:
-            _raise(rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads, head_dim,
-                   block_size, num_blocks)
+            self._raise(rc, info, seq_lens, tables, num_heads, sizes)
         return out
 
 
-def _raise(rc: int, seq: int, col: int, seq_lens: torch.Tensor, tables: torch.Tensor,
-           num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-           num_blocks: int) -> None:
+class NativePrefill(_PagedAttention):
+    """attention_prefill: every query token of each sequence, causal over the cached context
+    and the tokens before it (query rows by meta.query_start_loc)."""
+
+    kind, argtypes = "prefill", _PREFILL_ARGTYPES
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float) -> torch.Tensor:
+        fn, q, tables, seq_lens, sizes = self._checked(q, kv_cache, meta)
+        num_blocks, num_kv_heads, block_size, head_dim = sizes
+        num_seqs = seq_lens.shape[0]
+        starts = meta.query_start_loc
+        if starts.dtype is not torch.int32 or not starts.is_contiguous():
+            starts = starts.to(torch.int32).contiguous()
+        if starts.numel() != num_seqs + 1 or not starts.is_cpu:
+            raise ValueError(f"native prefill needs {num_seqs + 1} query offsets on the CPU, "
+                             f"got {starts.numel()}")
+        num_heads = q.shape[1] // head_dim
+        out = torch.empty_like(q)
+        info = (ctypes.c_int64 * 2)(-1, -1)
+        rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                tables.shape[1], seq_lens.data_ptr(), starts.data_ptr(), out.data_ptr(),
+                num_seqs, q.shape[0], num_heads, num_kv_heads, head_dim, block_size,
+                num_blocks, scale, ctypes.addressof(info))
+        if rc == PD_ERR_QUERY:
+            raise ValueError(f"native prefill: the query offsets {starts.tolist()} do not "
+                             f"rise from 0 to the {q.shape[0]} rows of q within the sequence "
+                             f"lengths {seq_lens.tolist()} (at sequence {info[0]})")
+        if rc != PD_OK:
+            self._raise(rc, info, seq_lens, tables, num_heads, sizes)
+        return out
+
+
+def _raise(kind: str, rc: int, seq: int, col: int, seq_lens: torch.Tensor,
+           tables: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+           block_size: int, num_blocks: int) -> None:
     if rc == PD_ERR_ALLOC:
-        raise MemoryError("native decode could not allocate its scratch buffers")
+        raise MemoryError(f"native {kind} could not allocate its scratch buffers")
     if rc == PD_ERR_SHAPE:
-        raise ValueError(f"native decode: invalid sizes (heads {num_heads}, kv heads "
+        raise ValueError(f"native {kind}: invalid sizes (heads {num_heads}, kv heads "
                          f"{num_kv_heads}, head_dim {head_dim}, block_size {block_size}, "
                          f"{num_blocks} blocks)")
     if rc == PD_ERR_HEADS:
-        raise ValueError(f"native decode: {num_heads} query heads are not a multiple of "
+        raise ValueError(f"native {kind}: {num_heads} query heads are not a multiple of "
                          f"{num_kv_heads} KV heads")
     if rc == PD_ERR_SEQ_LEN:
-        raise ValueError(f"native decode: sequence {seq} has a negative length "
+        raise ValueError(f"native {kind}: sequence {seq} has a negative length "
                          f"{int(seq_lens[seq])}")
     if rc == PD_ERR_TABLE_WIDTH:
-        raise ValueError(f"native decode: sequence {seq} has length {int(seq_lens[seq])}, "
+        raise ValueError(f"native {kind}: sequence {seq} has length {int(seq_lens[seq])}, "
                          f"needing {col} blocks of {block_size} tokens, but the block table "
                          f"has only {tables.shape[1]} columns")
     if rc == PD_ERR_BLOCK_ID:
-        raise ValueError(f"native decode: sequence {seq} uses block id {int(tables[seq, col])} "
-                         f"(table column {col}), outside the pool of {num_blocks} blocks")
-    raise RuntimeError(f"native decode failed with unknown code {rc}")
+        raise ValueError(f"native {kind}: sequence {seq} uses block id "
+                         f"{int(tables[seq, col])} (table column {col}), outside the pool of "
+                         f"{num_blocks} blocks")
+    raise RuntimeError(f"native {kind} failed with unknown code {rc}")

@@ -1,5 +1,7 @@
-/* Paged-attention decode for the tessellm CPU plugin: one query token per sequence, K/V read
- * in place through the block table (no gather, no padding copies).
+/* Paged attention for the tessellm CPU plugin, K/V read in place through the block table (no
+ * gather, no padding copies): decode (paged_decode_*: one query token per sequence) and, at
+ * the end of the file, prefill (paged_prefill_*: every query token, causal, each run as the
+ * decode of one token over its sequence's keys up to its position).
  *
  * Layouts (contiguous unless a stride is given):
  *   q    [B, H * D]                 out [B, H * D]
@@ -66,6 +68,8 @@ enum {
     PD_ERR_SEQ_LEN = 4,      /* seq_lens[b] < 0 */
     PD_ERR_TABLE_WIDTH = 5,  /* ceil(seq_lens[b] / BS) > bt_cols */
     PD_ERR_BLOCK_ID = 6,     /* a block id the sequence uses is outside 0 .. NB-1 */
+    PD_ERR_QUERY = 7,        /* prefill: query_start_loc does not rise from 0 to the rows of q,
+                              * or a sequence has more query tokens than its length */
 };
 
 /* Everything the kernel indexes with, checked before anything is read through it. */
@@ -341,3 +345,83 @@ DEFINE_ROWS(paged_decode_bf16, uint16_t, (void))
 #endif
 DEFINE_DECODE(paged_decode_f32, float, f32_id, f32_id)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* Query rows of sequence b are query_start_loc[b] .. query_start_loc[b + 1] - 1; the last one
+ * is the sequence's last token, so each query's position follows from seq_lens. */
+static int check_queries(const int32_t *qsl, const int32_t *seq_lens, int64_t B, int64_t NT,
+                         int64_t *info) {
+    info[0] = info[1] = -1;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t ql = (int64_t)qsl[b + 1] - qsl[b];
+        if ((b == 0 && qsl[0] != 0) || ql < 0 || ql > seq_lens[b]) { info[0] = b; return PD_ERR_QUERY; }
+    }
+    if (qsl[B] != NT) { info[0] = B; return PD_ERR_QUERY; }
+    return PD_OK;
+}
+
+/* Paged-attention prefill: every query token of every sequence, causal. A query at position p
+ * (its sequence's cached context plus its index among the query tokens) attends to keys
+ * 0 .. p, which is the decode of one token over a sequence of length p + 1: each token is a
+ * work item run by the decode's arithmetic (DEC##_run_d) over its sequence's blocks, read in
+ * place, and normalized as soon as it is done. Tokens go to the threads 8 at a time in order,
+ * so a thread's tokens share their sequence's K/V (kept in its L2). Inputs are checked first
+ * as the decode's (check_inputs) plus query_start_loc (check_queries); scratch for every
+ * thread is taken before the parallel region. */
+#define DEFINE_PREFILL(NAME, DEC, T, STORE)                                                    \
+int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride,             \
+         int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc, T *out,      \
+         int64_t B, int64_t NT, int64_t H, int64_t NKV, int64_t D, int64_t BS, int64_t NB,      \
+         float scale, int64_t *info) {                                                         \
+    int64_t max_len = 0;                                                                       \
+    int rc = check_inputs(block_tables, bt_stride, bt_cols, seq_lens, B, H, NKV, D, BS, NB,    \
+                          info, &max_len);                                                     \
+    if (rc != PD_OK) return rc;                                                                \
+    if (NT < 0) return PD_ERR_SHAPE;                                                           \
+    rc = check_queries(query_start_loc, seq_lens, B, NT, info);                                \
+    if (rc != PD_OK || NT == 0) return rc;                                                     \
+    const int64_t G = H / NKV;                                                                 \
+    const T *vbase = kv + NB * NKV * BS * D;                                                   \
+    const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;                      \
+    size_t scores_n, qf_n;                                                                     \
+    float *scratch = alloc_scratch(G, BS, H, D, nt, &scores_n, &qf_n);                         \
+    float *parts = scratch ? alloc_parts(G, D, NKV * nt) : NULL;                               \
+    int32_t *tok_seq = parts ? malloc(sizeof(int32_t) * (size_t)NT) : NULL;                    \
+    if (!tok_seq) { free(scratch); free(parts); return PD_ERR_ALLOC; }                         \
+    for (int64_t b = 0; b < B; ++b)                                                            \
+        for (int64_t t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) tok_seq[t] = (int32_t)b; \
+    const size_t per_thread = scores_n + qf_n, per_part = partial_floats(G, D);                \
+    _Pragma("omp parallel num_threads(nt)")                                                    \
+    {                                                                                          \
+        const int tid = omp_get_thread_num();                                                  \
+        float *scores = scratch + (size_t)tid * per_thread, *qf = scores + scores_n;           \
+        float *part0 = parts + (size_t)tid * (size_t)NKV * per_part;                           \
+        _Pragma("omp for schedule(dynamic, 8)")                                                \
+        for (int64_t t = 0; t < NT; ++t) {                                                     \
+            const int64_t b = tok_seq[t], first = query_start_loc[b];                          \
+            const int64_t pos = seq_lens[b] - (query_start_loc[b + 1] - first) + (t - first);  \
+            for (int64_t kvh = 0; kvh < NKV; ++kvh) {  /* m = -inf, l = 0, acc = 0 */          \
+                float *part = part0 + (size_t)kvh * per_part;                                  \
+                for (int64_t g = 0; g < G; ++g) part[g] = -INFINITY;                           \
+                memset(part + G, 0, sizeof(float) * (size_t)(G * (D + 1)));                    \
+            }                                                                                  \
+            DEC##_run_d(q + t * H * D, kv, vbase, block_tables + b * bt_stride, 0, pos + 1, H,  \
+                        NKV, D, BS, scale, -1, 0, scores, qf, part0, per_part);                \
+            for (int64_t kvh = 0; kvh < NKV; ++kvh) {                                          \
+                const float *part = part0 + (size_t)kvh * per_part;                            \
+                for (int64_t g = 0; g < G; ++g) {                                              \
+                    const float inv = part[G + g] > 0.f ? 1.f / part[G + g] : 0.f;             \
+                    const float *acc = part + 2 * G + g * D;                                   \
+                    T *o = out + t * H * D + (kvh * G + g) * D;                                \
+                    for (int64_t d = 0; d < D; ++d) o[d] = STORE(acc[d] * inv);                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    free(tok_seq);                                                                             \
+    free(parts);                                                                               \
+    free(scratch);                                                                             \
+    return PD_OK;                                                                              \
+}
+
+DEFINE_PREFILL(paged_prefill_f32, paged_decode_f32, float, f32_id)
+DEFINE_PREFILL(paged_prefill_bf16, paged_decode_bf16, uint16_t, f32_to_bf16)
