@@ -16,6 +16,18 @@ from tessellm.plugin_api import (
 )
 
 
+class CommittedHostAllocator(DeviceAllocator):
+    """Host memory committed when allocated: the pages are written (zeroed) now, in parallel,
+    as vLLM's CPU worker does for its KV cache (torch.zeros). An untouched page costs a fault
+    the first time a step writes it (about 0.65 us per 4 KiB page here: a W1 run writes 600 MB
+    of fresh KV blocks, about 0.1 s of faults inside its timed steps), and a pool the machine
+    cannot hold fails at start instead of in some later step (4 GiB commits in about 0.8 s on
+    2 cores)."""
+
+    def _raw_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return super()._raw_empty(shape, dtype).zero_()
+
+
 class CpuDevice(DevicePlugin):
     name = "cpu"
     torch_device_type = "cpu"
@@ -34,7 +46,8 @@ class CpuDevice(DevicePlugin):
 
     def allocator(self) -> DeviceAllocator:
         if self._allocator is None:
-            self._allocator = DeviceAllocator("cpu", capacity_bytes=self.memory_info().total_bytes)
+            self._allocator = CommittedHostAllocator(
+                "cpu", capacity_bytes=self.memory_info().total_bytes)
         return self._allocator
 
     def new_stream(self) -> TransferStream:
