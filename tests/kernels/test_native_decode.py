@@ -19,7 +19,7 @@ import pytest
 import torch
 from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_OK, NativeDecode
 
-from tessellm.kernels.examples import fill_unowned_slots, make_attention_metadata
+from tessellm.kernels.examples import pad_block_tables, paged_attention_case
 from tessellm.kernels.reference import paged_attention
 
 NUM_HEADS, NUM_KV_HEADS = 8, 2
@@ -36,17 +36,10 @@ def native() -> NativeDecode:
 def _case(seq_lens: list[int], block_size: int, head_dim: int, dtype: torch.dtype,
           pad_columns: int = 0, num_heads: int = NUM_HEADS, num_kv_heads: int = NUM_KV_HEADS,
           seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    meta, num_blocks = make_attention_metadata([1] * len(seq_lens), seq_lens, block_size,
-                                               len(seq_lens), "cpu", gen)
-    if pad_columns:   # columns no sequence uses, holding ids that would be out of bounds
-        pad = torch.full((meta.block_tables.shape[0], pad_columns), 10 ** 9, dtype=torch.int32)
-        meta = dataclasses.replace(meta, block_tables=torch.cat((meta.block_tables, pad), 1))
-    cache = torch.randn((2, num_blocks, num_kv_heads, block_size, head_dim),
-                        generator=gen).to(dtype)
-    fill_unowned_slots(cache, meta, gen)
-    q = torch.randn((len(seq_lens), num_heads * head_dim), generator=gen).to(dtype)
-    return q, cache, meta, 1.0 / math.sqrt(head_dim)
+    q, cache, meta, scale = paged_attention_case(
+        [1] * len(seq_lens), seq_lens, len(seq_lens), block_size, num_heads, num_kv_heads,
+        head_dim, dtype, "cpu", torch.Generator().manual_seed(seed))
+    return q, cache, pad_block_tables(meta, pad_columns), scale
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
 
 import pytest
 import torch
 from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_OK, NativePrefill
 
-from tessellm.kernels.examples import fill_unowned_slots, make_attention_metadata
+from tessellm.kernels.examples import (fill_unowned_slots, make_attention_metadata,
+                                       pad_block_tables, paged_attention_case)
 from tessellm.kernels.reference import paged_attention
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
@@ -35,16 +35,10 @@ def native() -> NativePrefill:
 def _case(query_lens: list[int], seq_lens: list[int], block_size: int, head_dim: int,
           dtype: torch.dtype, num_heads: int = 8, num_kv_heads: int = 2, pad_columns: int = 0,
           seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    meta, num_blocks = make_attention_metadata(query_lens, seq_lens, block_size, 0, "cpu", gen)
-    if pad_columns:   # columns no sequence uses, holding ids that would be out of bounds
-        pad = torch.full((meta.block_tables.shape[0], pad_columns), 10 ** 9, dtype=torch.int32)
-        meta = dataclasses.replace(meta, block_tables=torch.cat((meta.block_tables, pad), 1))
-    cache = torch.randn((2, num_blocks, num_kv_heads, block_size, head_dim),
-                        generator=gen).to(dtype)
-    fill_unowned_slots(cache, meta, gen)
-    q = torch.randn((sum(query_lens), num_heads * head_dim), generator=gen).to(dtype)
-    return q, cache, meta, 1.0 / math.sqrt(head_dim)
+    q, cache, meta, scale = paged_attention_case(
+        query_lens, seq_lens, 0, block_size, num_heads, num_kv_heads, head_dim, dtype, "cpu",
+        torch.Generator().manual_seed(seed))
+    return q, cache, pad_block_tables(meta, pad_columns), scale
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))

@@ -6,6 +6,7 @@ values. Attention examples lay sequences out in a paged cache with shuffled bloc
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -60,9 +61,32 @@ def fill_unowned_slots(cache: torch.Tensor, meta: AttentionMetadata, gen: torch.
     cache[:, 0] = 0
 
 
+def paged_attention_case(query_lens: list[int], seq_lens: list[int], num_decodes: int,
+                         block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype, dev: str, gen: torch.Generator) -> list[Any]:
+    """[q, kv_cache, meta, scale] for paged attention over shuffled block tables, garbage in
+    every slot no sequence owns (fill_unowned_slots)."""
+    meta, nblocks = make_attention_metadata(query_lens, seq_lens, block_size, num_decodes, dev,
+                                            gen)
+    cache = _randn(gen, (2, nblocks, num_kv_heads, block_size, head_dim), dtype, dev)
+    fill_unowned_slots(cache, meta, gen)
+    return [_randn(gen, (sum(query_lens), num_heads * head_dim), dtype, dev), cache, meta,
+            1.0 / math.sqrt(head_dim)]
+
+
+def pad_block_tables(meta: AttentionMetadata, columns: int) -> AttentionMetadata:
+    """meta with `columns` more block-table columns no sequence uses, holding an id far
+    outside any pool (a kernel that reads past a sequence's blocks then fails loudly)."""
+    if not columns:
+        return meta
+    tables = meta.block_tables
+    pad = torch.full((tables.shape[0], columns), 10 ** 9, dtype=tables.dtype,
+                     device=tables.device)
+    return dataclasses.replace(meta, block_tables=torch.cat((tables, pad), 1))
+
+
 def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> list[Any]:
-    T, dt = query.num_tokens, query.dtype
-    nh, nkv, hd = query.dim("num_heads"), query.dim("num_kv_heads"), query.dim("head_dim")
+    T = query.num_tokens
     if query.op == "attention_decode":
         qlens, slens, nd = [1] * T, [DECODE_CONTEXT] * T, T
     else:
@@ -70,10 +94,9 @@ def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> li
         # the second sequence (if any) has cached context before its chunk
         slens = [q + (32 if i == 1 else 0) for i, q in enumerate(qlens)]
         nd = 0
-    meta, nblocks = make_attention_metadata(qlens, slens, EXAMPLE_BLOCK_SIZE, nd, dev, gen)
-    cache = _randn(gen, (2, nblocks, nkv, EXAMPLE_BLOCK_SIZE, hd), dt, dev)
-    fill_unowned_slots(cache, meta, gen)
-    return [_randn(gen, (T, nh * hd), dt, dev), cache, meta, 1.0 / math.sqrt(hd)]
+    return paged_attention_case(qlens, slens, nd, EXAMPLE_BLOCK_SIZE, query.dim("num_heads"),
+                                query.dim("num_kv_heads"), query.dim("head_dim"), query.dtype,
+                                dev, gen)
 
 
 def _sample_example(T: int, vocab: int, dev: str, gen: torch.Generator) -> list[Any]:

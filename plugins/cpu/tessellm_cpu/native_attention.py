@@ -101,11 +101,28 @@ class _PagedAttention:
         return fn, q.contiguous(), tables, seq_lens, (num_blocks, num_kv_heads, block_size,
                                                       head_dim)
 
-    def _raise(self, rc: int, info, seq_lens: torch.Tensor, tables: torch.Tensor,
-               num_heads: int, sizes: tuple[int, int, int, int]) -> None:
+    def _launch(self, fn, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
+                seq_lens: torch.Tensor, sizes: tuple[int, int, int, int], scale: float,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the entry point into a new tensor like q (`starts`: the prefill's query
+        offsets); a nonzero return code raises the error it names."""
         num_blocks, num_kv_heads, block_size, head_dim = sizes
-        _raise(self.kind, rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads,
-               head_dim, block_size, num_blocks)
+        num_heads = q.shape[1] // head_dim
+        out = torch.empty_like(q)
+        info = (ctypes.c_int64 * 2)(-1, -1)
+        counts = ((out.data_ptr(), seq_lens.shape[0]) if starts is None else
+                  (starts.data_ptr(), out.data_ptr(), seq_lens.shape[0], q.shape[0]))
+        rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                tables.shape[1], seq_lens.data_ptr(), *counts, num_heads, num_kv_heads,
+                head_dim, block_size, num_blocks, scale, ctypes.addressof(info))
+        if rc == PD_ERR_QUERY and starts is not None:
+            raise ValueError(f"native prefill: the query offsets {starts.tolist()} do not "
+                             f"rise from 0 to the {q.shape[0]} rows of q within the sequence "
+                             f"lengths {seq_lens.tolist()} (at sequence {info[0]})")
+        if rc != PD_OK:
+            _raise(self.kind, rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads,
+                   head_dim, block_size, num_blocks)
+        return out
 
 
 class NativeDecode(_PagedAttention):
@@ -116,21 +133,10 @@ class NativeDecode(_PagedAttention):
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         fn, q, tables, seq_lens, sizes = self._checked(q, kv_cache, meta)
-        num_blocks, num_kv_heads, block_size, head_dim = sizes
-        num_seqs = seq_lens.shape[0]
-        if q.shape[0] != num_seqs:
-            raise ValueError(f"native decode needs q of [{num_seqs}, heads * {head_dim}] (one "
-                             f"token per sequence), got {tuple(q.shape)}")
-        num_heads = q.shape[1] // head_dim
-        out = torch.empty_like(q)
-        info = (ctypes.c_int64 * 2)(-1, -1)
-        rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
-                num_kv_heads, head_dim, block_size, num_blocks, scale,
-                ctypes.addressof(info))
-        if rc != PD_OK:
-            self._raise(rc, info, seq_lens, tables, num_heads, sizes)
-        return out
+        if q.shape[0] != seq_lens.shape[0]:
+            raise ValueError(f"native decode needs q of [{seq_lens.shape[0]}, heads * "
+                             f"{sizes[3]}] (one token per sequence), got {tuple(q.shape)}")
+        return self._launch(fn, q, kv_cache, tables, seq_lens, sizes, scale)
 
 
 class NativePrefill(_PagedAttention):
@@ -142,28 +148,13 @@ class NativePrefill(_PagedAttention):
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
         fn, q, tables, seq_lens, sizes = self._checked(q, kv_cache, meta)
-        num_blocks, num_kv_heads, block_size, head_dim = sizes
-        num_seqs = seq_lens.shape[0]
         starts = meta.query_start_loc
         if starts.dtype is not torch.int32 or not starts.is_contiguous():
             starts = starts.to(torch.int32).contiguous()
-        if starts.numel() != num_seqs + 1 or not starts.is_cpu:
-            raise ValueError(f"native prefill needs {num_seqs + 1} query offsets on the CPU, "
-                             f"got {starts.numel()}")
-        num_heads = q.shape[1] // head_dim
-        out = torch.empty_like(q)
-        info = (ctypes.c_int64 * 2)(-1, -1)
-        rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                tables.shape[1], seq_lens.data_ptr(), starts.data_ptr(), out.data_ptr(),
-                num_seqs, q.shape[0], num_heads, num_kv_heads, head_dim, block_size,
-                num_blocks, scale, ctypes.addressof(info))
-        if rc == PD_ERR_QUERY:
-            raise ValueError(f"native prefill: the query offsets {starts.tolist()} do not "
-                             f"rise from 0 to the {q.shape[0]} rows of q within the sequence "
-                             f"lengths {seq_lens.tolist()} (at sequence {info[0]})")
-        if rc != PD_OK:
-            self._raise(rc, info, seq_lens, tables, num_heads, sizes)
-        return out
+        if starts.numel() != seq_lens.shape[0] + 1 or not starts.is_cpu:
+            raise ValueError(f"native prefill needs {seq_lens.shape[0] + 1} query offsets on "
+                             f"the CPU, got {starts.numel()}")
+        return self._launch(fn, q, kv_cache, tables, seq_lens, sizes, scale, starts)
 
 
 def _raise(kind: str, rc: int, seq: int, col: int, seq_lens: torch.Tensor,
