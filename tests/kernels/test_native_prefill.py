@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_OK, NativePrefill
+from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_ERR_QUERY, PD_OK, NativePrefill
 
 from tessellm.kernels.examples import (fill_unowned_slots, make_attention_metadata,
                                        pad_block_tables, paged_attention_case)
@@ -94,6 +94,10 @@ def test_query_offsets_that_do_not_fit_are_refused(native: NativePrefill) -> Non
     with pytest.raises(ValueError, match="query offsets"):   # falling
         native(q, cache, dataclasses.replace(
             meta, query_start_loc=torch.tensor([0, 9, 5], dtype=torch.int32)), scale)
+    with pytest.raises(ValueError, match="query offsets"):   # not starting at 0
+        native(q[5:], cache, dataclasses.replace(
+            meta, query_start_loc=torch.tensor([5, 5, 14], dtype=torch.int32),
+            seq_lens=torch.tensor([5, 9], dtype=torch.int32)), scale)
     with pytest.raises(ValueError, match="3 query offsets"):
         native(q, cache, dataclasses.replace(meta, query_start_loc=meta.query_start_loc[:2]),
                scale)
@@ -110,6 +114,21 @@ def test_checks_shared_with_the_decode(native: NativePrefill) -> None:
     tables[1, 2] = cache.shape[1]
     with pytest.raises(ValueError, match=r"uses block id \d+ \(table column 2\), outside"):
         native(q, cache, dataclasses.replace(meta, block_tables=tables), scale)
+
+
+def test_rows_no_sequence_owns_are_refused(native: NativePrefill) -> None:
+    """No sequences but rows of q, the offsets [5] ending at them: every row would be
+    without a sequence; the C side refuses before reading any."""
+    q, cache, meta, scale = _case([5], [5], 16, 64, torch.float32)
+    fn = native._fns[torch.float32]
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    starts = torch.tensor([5], dtype=torch.int32)
+    info = (ctypes.c_int64 * 2)(-1, -1)
+    rc = fn(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+            tables.shape[1], meta.seq_lens.data_ptr(), starts.data_ptr(),
+            torch.empty_like(q).data_ptr(), 0, 5, 8, 2, 64, 16, cache.shape[1], scale,
+            ctypes.addressof(info))
+    assert rc == PD_ERR_QUERY
 
 
 def test_failed_scratch_allocation_keeps_the_kernel_usable(native: NativePrefill) -> None:

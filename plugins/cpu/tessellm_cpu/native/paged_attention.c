@@ -351,9 +351,10 @@ DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 static int check_queries(const int32_t *qsl, const int32_t *seq_lens, int64_t B, int64_t NT,
                          int64_t *info) {
     info[0] = info[1] = -1;
+    if (qsl[0] != 0) { info[0] = 0; return PD_ERR_QUERY; }   /* else rows no sequence owns */
     for (int64_t b = 0; b < B; ++b) {
         const int64_t ql = (int64_t)qsl[b + 1] - qsl[b];
-        if ((b == 0 && qsl[0] != 0) || ql < 0 || ql > seq_lens[b]) { info[0] = b; return PD_ERR_QUERY; }
+        if (ql < 0 || ql > seq_lens[b]) { info[0] = b; return PD_ERR_QUERY; }
     }
     if (qsl[B] != NT) { info[0] = B; return PD_ERR_QUERY; }
     return PD_OK;
