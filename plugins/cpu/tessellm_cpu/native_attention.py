@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tessellm.plugin_api import AttentionMetadata, KernelQuery
-from tessellm_cpu.native_build import build_library, entry_point
+from tessellm_cpu.native_build import build_library, entry_points_by_dtype
 
 SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -44,11 +44,7 @@ class _PagedAttention:
     def __init__(self) -> None:
         native = build_library(SOURCE)
         self.code_hash = native.key
-        self._fns = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = entry_point(native, f"paged_{self.kind}_{suffix}")
-            fn.argtypes, fn.restype = self.argtypes, ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = entry_points_by_dtype(native, f"paged_{self.kind}", self.argtypes)
         # The step's tables and lengths, checked and converted once per metadata object (every
         # layer of a step passes the same one): (meta, its block_tables and seq_lens as given,
         # the checked tables, the int32 lengths). A field given a new tensor is seen as new.

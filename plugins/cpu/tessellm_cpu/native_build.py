@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tessellm.plugin_api import cache_root
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -218,3 +220,15 @@ def entry_point(native: NativeLibrary, name: str) -> ctypes._CFuncPtr:
         return getattr(native.lib, name)
     except AttributeError as e:
         raise NativeBuildError(f"{native.path} has no symbol {name!r}") from e
+
+
+def entry_points_by_dtype(native: NativeLibrary, stem: str, argtypes: list
+                          ) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The float32 and bfloat16 entry points `<stem>_f32` and `<stem>_bf16` (int result), by
+    dtype, their argument types set."""
+    fns = {}
+    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        fn = entry_point(native, f"{stem}_{suffix}")
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fns[dtype] = fn
+    return fns

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tessellm.plugin_api import KernelQuery
-from tessellm_cpu.native_build import build_library, entry_point
+from tessellm_cpu.native_build import build_library, entry_point, entry_points_by_dtype
 
 SOURCE = Path(__file__).with_name("native") / "token_ops.c"
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -65,13 +65,7 @@ class _Native:
         return query.dtype in _DTYPES
 
     def _per_dtype(self, stem: str, argtypes: list) -> dict[torch.dtype, ctypes._CFuncPtr]:
-        """The float32 and bfloat16 entry points `<stem>_f32` and `<stem>_bf16` (int result)."""
-        fns = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = entry_point(self._lib, f"{stem}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            fns[dtype] = fn
-        return fns
+        return entry_points_by_dtype(self._lib, stem, argtypes)
 
 
 class NativeRotary(_Native):
