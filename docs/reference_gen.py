@@ -141,6 +141,7 @@ def stand_in_engine() -> SimpleNamespace:
                       device_counters={"(one per device counter)": 0.0})
     return SimpleNamespace(stats=stats, num_waiting=0, info=SimpleNamespace(weight_bytes=0),
                            is_alive=True, last_heard=time.monotonic(),
+                           unresponsive_reason=None, liveness=SimpleNamespace(step_age_s=0.0),
                            core=SimpleNamespace(ipc_seconds=0.0), detokenize_seconds=0.0)
 
 

@@ -9,6 +9,7 @@ import pytest
 from tessellm import LLM, SamplingParams
 from tessellm.errors import InvalidRequestError
 from tessellm.llm import CompletionOutput
+from tessellm.sampling_params import MAX_STOP_STRINGS
 
 PROMPT = "Once upon a time"
 GREEDY = SamplingParams(max_tokens=30, temperature=0)
@@ -76,9 +77,13 @@ def test_invalid_stop_and_n_are_refused(kwargs, match):
         SamplingParams(**kwargs)
 
 
-def test_too_many_stop_strings_are_refused_before_anything_is_queued(llm):
-    with pytest.raises(InvalidRequestError, match="at most 4 stop strings"):
-        llm.generate([PROMPT], SamplingParams(stop=["a", "b", "c", "d", "e"]))
+def test_stop_strings_up_to_the_one_limit_are_taken(llm):
+    """MAX_STOP_STRINGS (16) is the limit of SamplingParams, the matcher and the server."""
+    many = [f"#{i}#" for i in range(MAX_STOP_STRINGS)]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, stop=many))[0]
+    assert out.outputs[0].finish_reason == "length"
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_STRINGS} stop strings"):
+        SamplingParams(stop=[*many, "one more"])
     assert not llm.engine.has_unfinished()
 
 

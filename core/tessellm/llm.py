@@ -19,7 +19,6 @@ from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine
 from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.output_processor import OutputProcessor
-from tessellm.engine.stop_strings import StopStringMatcher
 from tessellm.errors import InvalidRequestError
 from tessellm.plugins import PluginManager
 from tessellm.request import FinishReason, Request
@@ -198,9 +197,6 @@ class LLM:
              per_prompt: list[SamplingParams], priorities: list[int], ns: list[int]
              ) -> list[RequestOutput]:
         """Queue every group (or none), step until all finish, collect in prompt order."""
-        for p in {id(p): p for p in per_prompt}.values():
-            if p.stop:
-                StopStringMatcher(p.stop)  # the output processor's limits, before queueing
         groups: list[list[Request]] = []
         requests: list[Request] = []
         try:

@@ -7,13 +7,34 @@ from dataclasses import dataclass, field
 from tessellm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask logprobs for (OpenAI's cap)
+MAX_STOP_STRINGS = 16  # the most stop strings a request may carry (the server's schema too)
+# Temperatures in (0, MIN_TEMPERATURE) are greedy: logits / 1e-37 overflow float32 to inf and
+# the softmax to NaN, and long before that sampling equals greedy (vLLM's _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+def _int64(name: str, value: object, param: str | None = None) -> int:
+    """`value` as an int in the int64 range (what crosses into the core and its tensors)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param or name)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise InvalidRequestError(f"{name} must fit in 64 bits (|{name}| < 2**63), got "
+                                  f"{value}", param or name)
+    return value
 
 
 def _real(name: str, value: object) -> float:
     """`value` as a finite float, or InvalidRequestError (bools and non-numbers are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+    try:
+        as_float = float(value)
+    except OverflowError:   # an int beyond float's range
+        as_float = math.inf
+    if not math.isfinite(as_float):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+    return as_float
 
 
 def _stop_strings(stop: object) -> list[str]:
@@ -28,14 +49,20 @@ def _stop_strings(stop: object) -> list[str]:
         if not isinstance(s, str) or not s:
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}",
                                       "stop")
-    return list(dict.fromkeys(items))
+    unique = list(dict.fromkeys(items))
+    if len(unique) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got "
+                                  f"{len(unique)}", "stop")
+    return unique
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature == 0 means greedy. top_k <= 0 (or None) disables top-k; top_p == 1 and
+    temperature == 0 means greedy, and so does any temperature below MIN_TEMPERATURE (1e-5; it
+    is stored as 0). Every number must be finite; integers must fit in 64 bits.
+    top_k <= 0 (or None) disables top-k; top_p == 1 and
     min_p == 0 disable those filters. `seed` makes sampling reproducible for this request alone,
     whatever else runs in the same batch (the random draw depends on (seed, output position)).
 
@@ -71,19 +98,30 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if _int64("max_tokens", self.max_tokens) < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got "
+                                      f"{self.max_tokens!r}", "max_tokens")
+        self.temperature = _real("temperature", self.temperature)
         if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and not isinstance(self.top_k, int):
-            raise InvalidRequestError(f"top_k must be an integer, got {self.top_k!r}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}",
+                                      "temperature")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
+        if self.top_k is not None:
+            _int64("top_k", self.top_k)
+        self.top_p = _real("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        self.min_p = _real("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.seed is not None:
+            _int64("seed", self.seed)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+                self.stop_token_ids or [], (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got "
+                                      f"{self.stop_token_ids!r}", "stop_token_ids")
+        self.stop_token_ids = [_int64("stop_token_ids", t) for t in self.stop_token_ids or []]
         for name in ("presence_penalty", "frequency_penalty"):
             value = _real(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:

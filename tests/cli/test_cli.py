@@ -95,3 +95,18 @@ def test_unknown_device_is_a_clear_error(capsys):
     assert main(["generate", "--prompt", "x", "--device", "tpu9000"]) == 2
     err = capsys.readouterr().err
     assert "tpu9000" in err and "cpu" in err
+
+
+def test_an_unwritable_cache_dir_for_the_demo_model_is_a_clear_error(capsys, tmp_path,
+                                                                      monkeypatch):
+    """`--model demo` writes the demo model into the cache dir; one that cannot be written
+    (here a path under a regular file, which even root cannot create) is exit 2 and one
+    line, for `serve` as for `generate`."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TESSELLM_CACHE_DIR", str(blocker / "cache"))
+    for command in (["generate", "--prompt", "x"], ["serve", "--port", "0"]):
+        assert main([*command, "--model", "demo"]) == 2
+        err = capsys.readouterr().err
+        assert "tessellm: error: cannot write the demo model" in err
+        assert "TESSELLM_CACHE_DIR" in err and "Traceback" not in err

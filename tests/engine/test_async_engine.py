@@ -97,12 +97,17 @@ def test_stop_string_trims_text_and_finishes(llm):
 
 
 def test_queue_full_and_invalid_requests_are_refused(llm):
+    """max_waiting counts requests beyond the running batch's free seats (max_num_seqs = 4
+    here): a burst of 4 + 2 is taken before the core has reported anything, the next one is
+    QueueFullError, and a group that could never wait at once (n > max_waiting) is a 400."""
     async def main():
         engine = await start_engine(llm, max_waiting=2)
         params = SamplingParams(max_tokens=4, temperature=0.0)
-        first = [engine.add_request([1, 2, 3], params, f"q{i}") for i in range(2)]
+        first = [engine.add_request([1, 2, 3], params, f"q{i}") for i in range(4 + 2)]
         with pytest.raises(QueueFullError):
             engine.add_request([1, 2, 3], params, "q-over")
+        with pytest.raises(InvalidRequestError, match="at most 2 may wait"):
+            engine.add_request_group([1, 2, 3], params, 3, "too-many")
         with pytest.raises(InvalidRequestError):
             engine.add_request([], params, "empty")
         with pytest.raises(InvalidRequestError, match="already in flight"):
@@ -112,7 +117,9 @@ def test_queue_full_and_invalid_requests_are_refused(llm):
         await engine.shutdown()
         return results
 
-    for _, ids, last in asyncio.run(main()):
+    results = asyncio.run(main())
+    assert len(results) == 6
+    for _, ids, last in results:
         assert len(ids) == 4 and last.finished
 
 

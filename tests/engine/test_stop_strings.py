@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tessellm.engine.stop_strings import MAX_STOP_STRINGS, StopStringMatcher
 from tessellm.errors import InvalidRequestError
+from tessellm.sampling_params import SamplingParams
 
 
 def expected_cut(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
@@ -129,10 +130,15 @@ def test_invalid_stops_are_rejected(stops: list) -> None:
 
 
 def test_stop_count_limit() -> None:
-    five = ["a", "b", "c", "d", "e"]
+    """One limit (MAX_STOP_STRINGS, 16) for the matcher, SamplingParams and the schema."""
+    many = [chr(ord("a") + i) for i in range(MAX_STOP_STRINGS + 1)]
+    assert StopStringMatcher(many[:-1]).stops == tuple(many[:-1])
     with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_STRINGS}"):
-        StopStringMatcher(five)
-    assert StopStringMatcher(five, max_stops=5).stops == tuple(five)
-    assert StopStringMatcher(five * 3, max_stops=None).stops == tuple(five)
-    assert StopStringMatcher(["x", "x", "x", "x", "x"]).stops == ("x",)  # duplicates count once
+        StopStringMatcher(many)
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_STOP_STRINGS}"):
+        SamplingParams(stop=many)
+    assert SamplingParams(stop=many[:-1]).stop == many[:-1]
+    assert StopStringMatcher(many, max_stops=len(many)).stops == tuple(many)
+    assert StopStringMatcher(many * 3, max_stops=None).stops == tuple(many)
+    assert StopStringMatcher(["x"] * 20).stops == ("x",)  # duplicates count once
     assert StopStringMatcher("end").stops == ("end",)  # a single string, as OpenAI allows

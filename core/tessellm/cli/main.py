@@ -152,11 +152,38 @@ def cmd_bench_schedule(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_soak(a: argparse.Namespace) -> int:
+    import asyncio
+    import shlex
+    from tessellm.cli.bench_soak import run_soak, start_server, stop_server
+    proc = None
+    url, pid = a.url, a.server_pid
+    if url is None:
+        serve_args = ["--max-queue", str(a.max_queue), *shlex.split(a.serve_args)]
+        if a.model:
+            serve_args = ["--model", a.model, *serve_args]
+        proc, url, _, log = start_server(serve_args)
+        pid = proc.pid
+        print(json.dumps({"server": url, "log": str(log)}), flush=True)
+    elif pid is None:
+        raise TessellmError("--url needs --server-pid (to read its memory and descriptors)")
+    try:
+        result = asyncio.run(run_soak(url, pid, a.requests, a.concurrency, a.hostile,
+                                      a.disconnect, a.report_every, a.max_queue, a.api_key,
+                                      a.seed))
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    return 0 if result["ok"] else 1
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from tessellm.server.serve import run_server
     from tessellm.server.server_config import load_configs
     server_flags = ("host", "port", "api_key", "max_queue", "max_body_bytes", "max_n",
-                    "chat_template", "drain_timeout_s")
+                    "chat_template", "drain_timeout_s", "request_timeout_s",
+                    "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "header_timeout_s",
+                    "body_timeout_s", "keepalive_timeout_s", "max_connections")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
     engine_config, server_config = load_configs(a.config, overrides)
@@ -223,6 +250,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, help="Jinja chat template file")
     s.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=None,
                    help="seconds in-flight requests may finish after SIGTERM")
+    s.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=None,
+                   help="end a request unfinished after this many seconds with an error "
+                        "(default: none)")
+    s.add_argument("--engine-heartbeat-timeout", dest="engine_heartbeat_timeout_s", type=float,
+                   default=None, help="engine core silent this long: /health and new requests "
+                   "503 (default 2)")
+    s.add_argument("--engine-stall-timeout", dest="engine_stall_timeout_s", type=float,
+                   default=None, help="engine core silent (or one step running) this long: "
+                   "requests in flight fail (default 60)")
+    s.add_argument("--header-timeout", dest="header_timeout_s", type=float, default=None,
+                   help="seconds from a request's first byte to its last header (default 30)")
+    s.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=None,
+                   help="seconds to receive a request body (default 60; then 408)")
+    s.add_argument("--keepalive-timeout", dest="keepalive_timeout_s", type=float, default=None,
+                   help="idle connections are closed after this many seconds (default 75)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open connections beyond this get 503 (default 1000)")
     # test-only: reads the TESSELLM_TEST_* fault/delay hooks (tessellm.engine.test_hooks)
     s.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
@@ -269,6 +313,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw the figures into this PNG (needs matplotlib)")
     sv.set_defaults(func=cmd_bench_serve)
+    sk = bsub.add_parser("soak", help="many mixed requests (hostile ones, disconnects) against "
+                         "a server, with its memory and descriptors every --report-every")
+    sk.add_argument("--model", default=None, help="model of the server it starts (default: "
+                    "the default model)")
+    sk.add_argument("--serve-args", default="", help="more `tessellm serve` options, quoted")
+    sk.add_argument("--url", default=None, help="a running server instead (needs --server-pid)")
+    sk.add_argument("--server-pid", type=int, default=None)
+    sk.add_argument("--api-key", default=None)
+    sk.add_argument("--requests", type=int, default=20000)
+    sk.add_argument("--concurrency", type=int, default=16)
+    sk.add_argument("--hostile", type=float, default=0.1, help="fraction of hostile requests")
+    sk.add_argument("--disconnect", type=float, default=0.05,
+                    help="fraction of streams the client leaves early")
+    sk.add_argument("--report-every", type=int, default=1000)
+    sk.add_argument("--max-queue", type=int, default=64)
+    sk.add_argument("--seed", type=int, default=0)
+    sk.set_defaults(func=cmd_bench_soak)
     from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
     add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
     return ap

@@ -8,21 +8,28 @@ event loop never waits on a step and the two never share an interpreter lock.
 Orderings: a request's deltas arrive in generation order and its last delta has
 `finished=True`. Closing or cancelling a stream aborts its request (the core frees its blocks
 before its next step). A stop string ends the stream at once; the core finishes the request
-at its next step (a token computed meanwhile is discarded). Backpressure: at most
-`max_waiting` requests may wait for a first schedule; beyond that `add_request` raises
-QueueFullError. When the core dies every open stream ends at once with an error, `is_alive`
-turns False, `fatal_error` says why and new requests get EngineDeadError (not QueueFullError).
+at its next step (a token computed meanwhile is discarded).
+Admission (`add_request_group`) is one transaction, its steps in ADMISSION_STEPS order: a
+request that fails any step leaves no trace (no stream, no output state, nothing counted as
+queued, nothing sent to the core). Backpressure: at most `max_waiting` requests may wait for
+a first schedule beyond the running batch's free seats; past that `add_request` raises
+QueueFullError. Liveness (CoreLiveness): while the core is silent past the heartbeat timeout
+new requests get EngineUnresponsiveError; past the stall timeout the requests in flight end
+with an error too. When the core dies every open stream ends at once with an error,
+`is_alive` turns False, `fatal_error` says why and new requests get EngineDeadError.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
-from tessellm.engine.core_client import EngineCoreClient
+from tessellm.engine.core_client import EngineCoreClient, EngineCoreError
+from tessellm.engine.core_liveness import CoreLiveness, LivenessConfig
 from tessellm.engine.core_messages import (AddRequest, CoreFailed, CoreStats, FinishRequests,
-                                           StepOutputs, params_to_wire)
+                                           Heartbeat, StepOutputs, params_to_wire)
 from tessellm.engine.output_processor import OutputProcessor, StreamDelta
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.errors import InvalidRequestError, TessellmError
@@ -41,6 +48,17 @@ class QueueFullError(TessellmError, RuntimeError):
 
 class EngineDeadError(TessellmError, RuntimeError):
     """The engine core is dead or stopping: no request can be taken."""
+
+
+class EngineUnresponsiveError(TessellmError, RuntimeError):
+    """The engine core is alive but has not reported within the heartbeat timeout (or its
+    current step has stalled): no request is taken until it does."""
+
+
+# The steps of admission, in order (AsyncEngine.add_request_group); a test seam may fail any.
+ADMISSION_STEPS = ("validate", "accept", "outputs", "encode", "register", "send")
+AdmissionFault = Callable[[str], None]   # called with each step's name before it runs
+LIVENESS_POLL_S = 0.25
 
 
 class EngineObserver(Protocol):
@@ -87,7 +105,9 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, core: EngineCoreClient, tokenizer: object, max_waiting: int = 256,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None,
+                 liveness: LivenessConfig = LivenessConfig(),
+                 admission_fault: AdmissionFault | None = None) -> None:
         if core.ready is None:
             raise EngineDeadError("the engine core is not ready (await wait_ready() first)")
         self.core = core
@@ -99,10 +119,13 @@ class AsyncEngine:
         self.observer = observer
         self.stats = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, {}, {})
         self.detokenize_seconds = 0.0
-        self.last_heard = time.monotonic()
+        self.liveness = CoreLiveness(liveness)
         self.fatal_error: str | None = None
         self._outputs = OutputProcessor(tokenizer)
         self._streams: dict[str, RequestStream] = {}
+        self._unscheduled: set[str] = set()   # admitted, not yet reported first scheduled
+        self._admission_fault = admission_fault
+        self._stall_reported = False
         self._stopping = False
         self._tasks: list[asyncio.Task] = []
         self._dead = asyncio.Event()
@@ -110,12 +133,24 @@ class AsyncEngine:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def start(self) -> None:
+        self.liveness.heard()
         self._tasks = [asyncio.ensure_future(self._receive()),
-                       asyncio.ensure_future(self._watch())]
+                       asyncio.ensure_future(self._watch()),
+                       asyncio.ensure_future(self._watch_liveness())]
 
     @property
     def is_alive(self) -> bool:
         return self.fatal_error is None and self.core.alive
+
+    @property
+    def last_heard(self) -> float:
+        """time.monotonic() of the core's latest message."""
+        return self.liveness.last_heard
+
+    @property
+    def unresponsive_reason(self) -> str | None:
+        """Why the (live) core counts as unresponsive now; None while it reports in time."""
+        return self.liveness.unresponsive_reason()
 
     async def wait_dead(self) -> None:
         await self._dead.wait()
@@ -128,6 +163,13 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests accepted and not yet running (as of the core's latest report)."""
         return max(0, len(self._streams) - self.stats.num_running)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests admitted and never scheduled yet, less the seats the running batch had
+        free at the core's latest report (a burst that fits the batch does not queue)."""
+        free = max(0, self.info.max_num_seqs - self.stats.num_running)
+        return max(0, len(self._unscheduled) - free)
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting; wait up to drain_timeout_s for in-flight requests, abort the
@@ -152,9 +194,19 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine core is dead: {self.fatal_error or 'exited'}")
         if self._stopping:
             raise EngineDeadError("the engine is shutting down")
-        if self.num_waiting + n > self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting} requests are waiting (limit "
+        reason = self.unresponsive_reason
+        if reason is not None:
+            raise EngineUnresponsiveError(f"{reason}; not taking requests until it does")
+        if n > self.max_waiting:
+            raise InvalidRequestError(f"the request has {n} sequences; at most "
+                                      f"{self.max_waiting} may wait at once here", "n")
+        if self.num_queued + n > self.max_waiting:
+            raise QueueFullError(f"{self.num_queued} requests are waiting (limit "
                                  f"{self.max_waiting}); retry later")
+
+    def _fault(self, step: str) -> None:
+        if self._admission_fault is not None:
+            self._admission_fault(step)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                     stop: list[str] | None = None, priority: int = 0) -> RequestStream:
@@ -167,25 +219,56 @@ class AsyncEngine:
                           priority: int = 0) -> list[RequestStream]:
         """n samples of one prompt sharing its KV blocks (the prompt is computed once); stream
         i carries sample "<request_id>-<i>" (seed + i when a seed is set); n == 1 is one
-        stream with `request_id`. Raises like add_request; nothing is queued then."""
+        stream with `request_id`. Raises like add_request; nothing is queued then.
+
+        One transaction (ADMISSION_STEPS): validate, accept (queue and liveness), prepare the
+        output state (detokenizer, stop strings), encode the message, register the streams,
+        send. Only `register` changes this engine's state, and a failure of `send` undoes it."""
+        self._fault("validate")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
         ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
         if any(rid in self._streams for rid in ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         self.limits.validate(prompt_token_ids, params, priority)
+        self._fault("accept")
         self._check_accepting(n)
+        self._fault("outputs")
+        outputs = [self._outputs.prepare(list(prompt_token_ids), stop) for _ in ids]
+        self._fault("encode")
+        message = self.core.encode(AddRequest(request_id, list(prompt_token_ids),
+                                              params_to_wire(params), priority, n,
+                                              time.monotonic()))
         streams = [RequestStream(rid, self) for rid in ids]
-        for rid, stream in zip(ids, streams):
-            self._streams[rid] = stream
-            self._outputs.track(rid, list(prompt_token_ids), stop)
-        self.core.send(AddRequest(request_id, list(prompt_token_ids), params_to_wire(params),
-                                  priority, n, time.monotonic()))
+        try:
+            self._fault("register")
+            for rid, stream, output in zip(ids, streams, outputs):
+                self._streams[rid] = stream
+                self._outputs.tracked[rid] = output
+                self._unscheduled.add(rid)
+            self._fault("send")
+            self.core.send(message)
+        except BaseException:
+            for rid in ids:
+                self._forget(rid)
+            raise
         return streams
 
+    def _forget(self, request_id: str) -> None:
+        """Drop everything the front end holds for a request."""
+        self._streams.pop(request_id, None)
+        self._outputs.tracked.pop(request_id, None)
+        self._unscheduled.discard(request_id)
+
     def abort(self, request_id: str) -> None:
+        self._send_finish([request_id], "abort")
+
+    def _send_finish(self, request_ids: list[str], reason: str) -> None:
         if self.core.alive:
-            self.core.send(FinishRequests([request_id], "abort"))
+            try:
+                self.core.send(FinishRequests(request_ids, reason))
+            except EngineCoreError:   # not connected: it is dying, and _watch fails them all
+                pass
 
     # ---- outputs ------------------------------------------------------------------------
 
@@ -194,13 +277,14 @@ class AsyncEngine:
         if stream is None:
             return
         if delta.finished:
-            del self._streams[delta.request_id]
+            self._forget(delta.request_id)
         stream._put(delta)
 
     def _handle(self, out: StepOutputs) -> None:
         self.stats = out.stats
-        if self.observer is not None:
-            for rid, waited in out.first_scheduled:
+        for rid, waited in out.first_scheduled:
+            self._unscheduled.discard(rid)
+            if self.observer is not None:
                 self.observer.on_first_scheduled(rid, waited)
         t0 = time.perf_counter()
         stops = []
@@ -213,14 +297,17 @@ class AsyncEngine:
             if delta is not None:
                 self._deliver(delta)
         if stops:
-            self.core.send(FinishRequests(stops, "stop"))
+            self._send_finish(stops, "stop")
         self.detokenize_seconds += time.perf_counter() - t0
 
     async def _receive(self) -> None:
         try:
             while True:
                 message = await self.core.recv()
-                self.last_heard = time.monotonic()
+                if isinstance(message, Heartbeat):
+                    self.liveness.heard(message.step_age_s)
+                    continue
+                self.liveness.heard()
                 if isinstance(message, StepOutputs):
                     self._handle(message)
                 elif isinstance(message, CoreFailed):
@@ -237,6 +324,29 @@ class AsyncEngine:
         if not self._stopping:
             self._die("the engine core process exited unexpectedly")
 
+    async def _watch_liveness(self) -> None:
+        """Log the core turning unresponsive and back; fail the requests in flight once it
+        has stalled (their aborts are queued for the core, should it come back)."""
+        was_unresponsive = False
+        while True:
+            await asyncio.sleep(LIVENESS_POLL_S)
+            reason = self.unresponsive_reason
+            if reason is not None and not was_unresponsive:
+                log.warning("engine core unresponsive: %s", reason)
+            elif reason is None and was_unresponsive:
+                log.warning("engine core responsive again")
+                self._stall_reported = False
+            was_unresponsive = reason is not None
+            stalled = self.liveness.stalled_reason()
+            if stalled is not None and self._streams:
+                if not self._stall_reported:
+                    log.error("engine core stalled (%s): failing %d request(s) in flight",
+                              stalled, len(self._streams))
+                    self._stall_reported = True
+                ids = list(self._streams)
+                self._fail_open(f"engine core stalled: {stalled}")
+                self._send_finish(ids, "abort")
+
     def _die(self, error: str) -> None:
         if self.fatal_error is None:
             self.fatal_error = error
@@ -248,5 +358,4 @@ class AsyncEngine:
         """End every open stream now (each exactly once): `reason` "error" when the core
         died, "abort" when the server stops."""
         for rid in list(self._streams):
-            self._outputs.tracked.pop(rid, None)
             self._deliver(StreamDelta(rid, [], "", [], True, reason, error))

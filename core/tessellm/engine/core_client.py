@@ -8,6 +8,9 @@ msgspec structs (tessellm.engine.core_messages), never pickles.
 
 Liveness: `alive` is the process (or thread) running; `wait_dead()` returns when it is not,
 so the async front end can fail every open stream at once instead of waiting on a socket.
+Sending never blocks the caller's event loop: the socket to the core queues without a limit
+(a frozen core is detected by its silence, CoreLiveness, and new requests are then refused),
+and a core that is not connected at all makes `send` raise EngineCoreError.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class EngineCoreClient:
                  ) -> tuple[zmq.Socket, zmq.asyncio.Socket]:
         to_core = ctx.socket(zmq.PUSH)
         to_core.setsockopt(zmq.LINGER, 0)
+        to_core.setsockopt(zmq.SNDHWM, 0)   # never mute: a send queues, it does not block
         to_core.bind(to_addr)
         from_core = zmq.asyncio.Context.shadow(ctx).socket(zmq.PULL)
         from_core.setsockopt(zmq.LINGER, 0)
@@ -114,9 +118,19 @@ class EngineCoreClient:
     def alive(self) -> bool:
         return bool(self._is_alive())
 
-    def send(self, message: ToCore) -> None:
-        """Queue a message for the core (never blocks: the PUSH socket buffers)."""
-        self._to_core.send(self._encode.encode(message), copy=False)
+    def encode(self, message: ToCore) -> bytes:
+        """The wire form of a message (raises for values msgpack cannot carry, e.g. integers
+        beyond 64 bits: nothing was sent then)."""
+        return self._encode.encode(message)
+
+    def send(self, message: ToCore | bytes) -> None:
+        """Queue a message (or its `encode`d bytes) for the core; never blocks. Raises
+        EngineCoreError when no core is connected to take it."""
+        data = message if isinstance(message, bytes) else self.encode(message)
+        try:
+            self._to_core.send(data, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineCoreError("the engine core is not connected") from None
 
     async def recv(self) -> FromCore:
         data = await self._from_core.recv(copy=False)
@@ -156,7 +170,7 @@ class EngineCoreClient:
         if self.alive:
             try:
                 self.send(Shutdown())
-            except zmq.ZMQError:
+            except (zmq.ZMQError, EngineCoreError):
                 pass
         self._stop(timeout)
         self._to_core.close(0)

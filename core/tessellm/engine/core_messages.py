@@ -4,7 +4,8 @@ Everything that crosses the process boundary is one of these typed structs, enco
 msgspec's msgpack codec and decoded against the union type: nothing is ever unpickled, and a
 malformed message is a DecodeError, never code execution. Front end -> core: AddRequest,
 FinishRequests, Shutdown. Core -> front end: Ready (once, after load and kernel profiling),
-StartupFailed, StepOutputs (after every step, and as a heartbeat while idle), CoreFailed.
+StartupFailed, StepOutputs (after every step, and as a heartbeat while idle), Heartbeat (while
+a step runs long), CoreFailed.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Ready(msgspec.Struct, tag=True):
     kernel_choices: dict[str, str]  # profiled "op|dtype|T<bucket>|dims" -> kernel name
     plugin: str = ""                # entry-point name of the plugin providing the device
     plugin_version: str = ""        # its distribution's version
+    max_num_seqs: int = 0           # the running batch's sequence cap (0: unknown)
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -65,6 +67,14 @@ class CoreFailed(msgspec.Struct, tag=True):
     """The core loop itself raised (a bug): every open request has failed with it."""
 
     error: str
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    """Sent by the core's heartbeat thread when the step loop has sent nothing for a heartbeat
+    interval (a long step): the process is alive, and its current step has run `step_age_s`."""
+
+    step_age_s: float
+    sent_at: float
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
@@ -106,7 +116,7 @@ class StepOutputs(msgspec.Struct, tag=True):
 
 
 ToCore = AddRequest | FinishRequests | Shutdown
-FromCore = Ready | StartupFailed | CoreFailed | StepOutputs
+FromCore = Ready | StartupFailed | CoreFailed | StepOutputs | Heartbeat
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:

@@ -5,7 +5,10 @@ device and torch's OpenMP threads, so the front end's event loop never shares an
 lock with the step loop) or, for tests and embedding, on a thread (`EngineCoreLoop` over
 inproc sockets). The loop: drain every message that arrived (adds, finishes, shutdown), run one
 step if anything is unfinished, send the new tokens of every request (StepOutputs); while idle
-it sends a StepOutputs heartbeat every HEARTBEAT_S, which is how the front end sees liveness.
+it sends a StepOutputs heartbeat every HEARTBEAT_S. While one step runs longer than that, a
+heartbeat thread sends Heartbeat(step age) instead. So the front end hears from a live core at
+least every HEARTBEAT_S: silence means the process is frozen (stopped, swapped out, its
+interpreter lock held), and a growing step age means the step loop is stuck.
 Orderings: a request's deltas are sent in generation order and its last has finished=True;
 a FinishRequests frees the blocks before the next step. A failing step fails only its requests
 (their deltas say so, naming how many failed with them); a bug in the loop sends CoreFailed and
@@ -18,14 +21,16 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 import zmq
 
 from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreStats,
-                                           FinishRequests, Ready, Shutdown, StartupFailed,
-                                           StepOutputs, TokenDelta, ToCore, params_from_wire)
+                                           FinishRequests, Heartbeat, Ready, Shutdown,
+                                           StartupFailed, StepOutputs, TokenDelta, ToCore,
+                                           params_from_wire)
 from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine, StepError
@@ -64,7 +69,8 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
     return Ready(os.getpid(), p.device.name, str(p.dtype).removeprefix("torch."),
                  engine.max_model_len, p.spec.vocab_size, p.config.priority_levels,
                  p.config.block_size, engine.kv.num_blocks, p.weight_bytes,
-                 sorted(p.eos_token_ids), kernel_choices, *device_plugin_of(p.device))
+                 sorted(p.eos_token_ids), kernel_choices, *device_plugin_of(p.device),
+                 max_num_seqs=p.config.max_num_seqs)
 
 
 class EngineCoreLoop:
@@ -77,10 +83,22 @@ class EngineCoreLoop:
         self._to_core, self._from_core = Codec(ToCore), Codec(None)
         self._stopping = False
         self._last_sent = 0.0
+        self._send_lock = threading.Lock()   # the loop and the heartbeat thread share outbox
+        self._step_started: float | None = None   # monotonic start of the running step
 
     def send(self, message: Any) -> None:
-        self.outbox.send(self._from_core.encode(message), copy=False)
-        self._last_sent = time.monotonic()
+        with self._send_lock:
+            self.outbox.send(self._from_core.encode(message), copy=False)
+            self._last_sent = time.monotonic()
+
+    def _heartbeats(self, stop: threading.Event) -> None:
+        """While a step runs and the loop has sent nothing for HEARTBEAT_S, tell the front end
+        the process lives and how long that step has run (outside steps the loop itself
+        reports at least every HEARTBEAT_S)."""
+        while not stop.wait(HEARTBEAT_S / 2):
+            now, started = time.monotonic(), self._step_started
+            if started is not None and now - self._last_sent >= HEARTBEAT_S:
+                self.send(Heartbeat(now - started, time.time()))
 
     def _apply(self, message: Any) -> None:
         if isinstance(message, Shutdown):
@@ -116,6 +134,7 @@ class EngineCoreLoop:
             self._apply(self._to_core.decode(data))
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             self.engine.step()
         except StepError as e:  # only that step's requests failed (finished: error)
@@ -125,8 +144,14 @@ class EngineCoreLoop:
                     f"{' ...' if len(ids) > 8 else ''})")
             for rid in ids:
                 self.tracker.step_errors[rid] = note
+        finally:
+            self._step_started = None
 
     def run(self) -> None:
+        stop_heartbeats = threading.Event()
+        heartbeats = threading.Thread(target=self._heartbeats, args=(stop_heartbeats,),
+                                      daemon=True, name="tessellm-core-heartbeat")
+        heartbeats.start()
         try:
             stages = self.engine.stage_times
             while True:
@@ -160,6 +185,9 @@ class EngineCoreLoop:
             except Exception:  # the socket may be what failed; the process exit still shows
                 pass
             raise
+        finally:   # before the caller closes the socket the heartbeats use
+            stop_heartbeats.set()
+            heartbeats.join(2 * HEARTBEAT_S)
 
 
 def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, parent_pid: int,

@@ -32,7 +32,9 @@ class StreamDelta:
 
 
 @dataclass(slots=True)
-class _Tracked:
+class OutputState:
+    """One request's output state in the front end (see OutputProcessor.prepare)."""
+
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher | None
 
@@ -40,12 +42,16 @@ class _Tracked:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked: dict[str, OutputState] = {}
+
+    def prepare(self, prompt_token_ids: list[int], stop: list[str] | None) -> OutputState:
+        """A request's output state, not yet tracked (raises InvalidRequestError for bad stop
+        strings; nothing is registered, so admission can fail after this and leave no trace)."""
+        return OutputState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+                           StopStringMatcher(stop) if stop else None)
 
     def track(self, request_id: str, prompt_token_ids: list[int], stop: list[str] | None) -> None:
-        self.tracked[request_id] = _Tracked(
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-            StopStringMatcher(stop) if stop else None)
+        self.tracked[request_id] = self.prepare(prompt_token_ids, stop)
 
     def process(self, raw: TokenDelta) -> tuple[StreamDelta | None, bool]:
         """The client delta for `raw` (None if the request already finished) and whether a

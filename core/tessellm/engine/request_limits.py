@@ -31,7 +31,12 @@ class RequestLimits:
         vocab = self.vocab_size
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidRequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
+                                      "prompt")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}",
+                                      "stop_token_ids")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "

@@ -14,15 +14,15 @@ where `start` is where the earliest-ending occurrence of any stop string in `tex
 
 Each stop string runs a Knuth-Morris-Pratt automaton whose state is the length of the longest
 prefix of the stop string that ends the text seen so far; the held-back text is the longest
-such prefix. Cost: O(len(delta) * number of stops) per feed, amortized.
+such prefix. Cost: O(len(delta) * number of stops) per feed, amortized. At most MAX_STOP_STRINGS (16, the
+one limit the server's schema and SamplingParams share) distinct stop strings.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from tessellm.errors import InvalidRequestError
-
-MAX_STOP_STRINGS = 4  # OpenAI's limit
+from tessellm.sampling_params import MAX_STOP_STRINGS
 
 
 def _failure(pattern: str) -> list[int]:

@@ -244,12 +244,21 @@ def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
     if _is_complete(target):
         return target
     _check_replaceable(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the demo model into {str(target.parent)!r}: {e} "
+                             "(set TESSELLM_CACHE_DIR to a writable directory)") from None
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
         _write_demo_model(tmp)
         _publish(tmp, target)
+    except ModelLoadError:
+        raise
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the demo model into {str(target)!r}: {e}") \
+            from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,8 @@
 """The aiohttp Application: routes and middlewares.
 
 Middlewares, outermost first:
-  1. context: the server's own request id (`cmpl-<uuid>`, the engine's id); the client's
+  1. context: tells the ConnectionGuard (when the app has one) that a request's headers are
+     in and when it is done; the server's own request id (`cmpl-<uuid>`, the engine's id); the client's
      X-Request-Id, when valid, is logged beside it and echoed on every answer (else the
      server's id is); every error, expected or not, becomes an OpenAI error object here;
   2. guard: while draining (SIGTERM) /v1/* answers 503; with an API key, /v1/* and /api/*
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from tessellm.server.chat import create_chat_completion
 from tessellm.server.completions import create_completion
+from tessellm.server.connections import ConnectionGuard
 from tessellm.server.dashboard import DASHBOARD_PATH, dashboard
 from tessellm.server.errors import APIError, from_exception, internal_error
 from tessellm.server.requests import (
@@ -39,10 +41,22 @@ from tessellm.server.web_ui import add_web_ui
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GUARD_KEY = web.AppKey("tessellm_connection_guard", ConnectionGuard)
 
 
 @web.middleware
 async def context_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    guard = request.app.get(GUARD_KEY)
+    if guard is None:
+        return await _in_context(request, handler)
+    guard.request_started(request.transport)
+    try:
+        return await _in_context(request, handler)
+    finally:
+        guard.request_finished(request.transport)
+
+
+async def _in_context(request: web.Request, handler: Handler) -> web.StreamResponse:
     request[ARRIVAL] = arrival_now()
     request[REQUEST_ID] = own_id = new_request_id()
     try:
@@ -82,7 +96,9 @@ async def guard_middleware(request: web.Request, handler: Handler) -> web.Stream
         if key is not None:
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {key.get_secret_value()}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
+            # aiohttp keeps undecodable header bytes as surrogate escapes: compare the bytes
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                       expected.encode()):
                 raise APIError(401, "missing or incorrect API key: send 'Authorization: "
                                "Bearer <key>'", code="invalid_api_key",
                                headers={"WWW-Authenticate": "Bearer"})
@@ -90,16 +106,21 @@ async def guard_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine core runs; 503 once it died or the server is draining."""
+    """200 while the engine core runs and reports in time; 503 once it died, while it is
+    unresponsive (CoreLiveness), or while the server is draining."""
     state = request.app[STATE_KEY]
     engine = state.engine
     if state.draining:
         raise APIError(503, "the server is shutting down", type="service_unavailable",
                        code="shutting_down")
-    if engine.is_alive:
-        return web.json_response({"status": "ok"})
-    raise APIError(503, f"the engine core is not running: {engine.fatal_error or 'exited'}",
-                   type="service_unavailable", code="engine_unavailable")
+    if not engine.is_alive:
+        raise APIError(503, f"the engine core is not running: {engine.fatal_error or 'exited'}",
+                       type="service_unavailable", code="engine_unavailable")
+    reason = engine.unresponsive_reason
+    if reason is not None:
+        raise APIError(503, f"the engine core is unresponsive: {reason}",
+                       type="service_unavailable", code="engine_unresponsive")
+    return web.json_response({"status": "ok"})
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -127,11 +148,14 @@ async def _stop_engine(app: web.Application) -> None:
     state.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def create_app(state: ServerState) -> web.Application:
-    """The app of one server; the AsyncEngine in `state` must not be started yet."""
+def create_app(state: ServerState, guard: ConnectionGuard | None = None) -> web.Application:
+    """The app of one server; the AsyncEngine in `state` must not be started yet. `guard`:
+    the ConnectionGuard of the site that serves it, if any (told of each request)."""
     app = web.Application(middlewares=[context_middleware, guard_middleware],
                           client_max_size=state.config.max_body_bytes)
     app[STATE_KEY] = state
+    if guard is not None:
+        app[GUARD_KEY] = guard
     state.engine.observer = state.metrics
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)

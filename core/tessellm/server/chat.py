@@ -76,7 +76,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state, request_id, start = request_context(request)
     req = await read_body(request, ChatCompletionRequest)
     state.check_model(req.model)
-    check_limits(req, state.config.max_n)
+    check_limits(req, state.config)
     ids = await state.encode_chat(req.template_messages())
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.max_model_len,

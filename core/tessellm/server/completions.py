@@ -65,7 +65,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req = await read_body(request, CompletionRequest)
     state.check_model(req.model)
     prompts = req.prompts
-    check_limits(req, state.config.max_n, len(prompts))
+    check_limits(req, state.config, len(prompts))
     token_lists: list[list[int]] = []
     for p in prompts:
         if not p:

@@ -1,9 +1,11 @@
 """OpenAI-style error objects and the mapping from exceptions to HTTP statuses.
 
 Every 4xx/5xx body the server sends is `{"error": {"message", "type", "param", "code"}}`.
-Mapping: InvalidRequestError and pydantic ValidationError -> 400; QueueFullError -> 503 with
-Retry-After; aiohttp's own HTTP errors keep their status (413 body too large, 404 no route,
-405 method); anything else -> 500 (logged with its traceback, message kept generic).
+Mapping: InvalidRequestError and pydantic ValidationError -> 400; QueueFullError and
+EngineUnresponsiveError -> 503 with Retry-After; aiohttp's own HTTP errors keep their status
+and headers (413 body too large, 404 no route, 405 method with Allow); anything else -> 500
+(logged with its traceback, message kept generic). A 408 or 413 closes the connection (the
+rest of the body is never read).
 """
 from __future__ import annotations
 
@@ -13,12 +15,16 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from tessellm.engine.async_engine import EngineDeadError, QueueFullError
+from tessellm.engine.async_engine import (EngineDeadError, EngineUnresponsiveError,
+                                          QueueFullError)
 from tessellm.errors import InvalidRequestError
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable"}
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+          504: "timeout_error"}
+_CLOSING = (408, 413)   # statuses after which the connection is closed
+_KEPT_HEADERS = ("Allow", "Retry-After")   # of aiohttp's own HTTP errors
 
 
 class APIError(Exception):
@@ -44,8 +50,11 @@ class APIError(Exception):
         headers = dict(self.headers)
         if request_id:
             headers["X-Request-Id"] = request_id
-        return web.Response(status=self.status, text=json.dumps(self.body()),
-                            content_type="application/json", headers=headers)
+        response = web.Response(status=self.status, text=json.dumps(self.body()),
+                                content_type="application/json", headers=headers)
+        if self.status in _CLOSING:
+            response.force_close()
+        return response
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -73,11 +82,15 @@ def from_exception(exc: BaseException) -> APIError | None:
                         headers={"Retry-After": str(max(1, exc.retry_after_s))})
     if isinstance(exc, EngineDeadError):  # not "queue full": retrying here will not help
         return APIError(503, str(exc), type="service_unavailable", code="engine_unavailable")
+    if isinstance(exc, EngineUnresponsiveError):
+        return APIError(503, str(exc), type="service_unavailable", code="engine_unresponsive",
+                        headers={"Retry-After": "1"})
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc), exc.param)
     if isinstance(exc, web.HTTPException) and exc.status >= 400:
         return APIError(exc.status, exc.reason if exc.text is None else
-                        exc.text.removeprefix(f"{exc.status}: "))
+                        exc.text.removeprefix(f"{exc.status}: "),
+                        headers={k: exc.headers[k] for k in _KEPT_HEADERS if k in exc.headers})
     return None
 
 

@@ -4,9 +4,12 @@ The endpoint-specific JSON lives in a ResponseShape (completions.py, chat.py); t
 are shared. A sequence that finishes with "error" (a failed engine step) or "abort" (server
 shutdown) fails the whole request: 500 / 503 before anything was sent, an SSE error event
 then [DONE] after. Leaving early for any reason aborts the other sequences (streams.merged).
+With `request_timeout_s` (ServerConfig), a request unfinished after that long is aborted and
+answered 504, or ends its stream with an error event.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,16 +73,26 @@ def failure(delta: StreamDelta) -> APIError:
                     code=500, type="server_error")
 
 
+def timed_out(timeout_s: float) -> APIError:
+    return APIError(504, f"the request did not finish within the server's request timeout "
+                    f"({timeout_s:g} s); it was aborted", code="request_timeout")
+
+
 async def respond(request: web.Request, state: ServerState, request_id: str,
                   streams: list[RequestStream], shape: ResponseShape, *, stream: bool,
                   include_usage: bool, num_prompt_tokens: int, start: float
                   ) -> web.StreamResponse:
     timers = [state.metrics.timer(start) for _ in streams]
+    timeout_s = state.config.request_timeout_s
     try:
         if stream:
             return await _stream(request, request_id, streams, shape, timers, include_usage,
-                                 num_prompt_tokens)
-        return await _whole(request_id, streams, shape, timers, num_prompt_tokens)
+                                 num_prompt_tokens, timeout_s)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await _whole(request_id, streams, shape, timers, num_prompt_tokens)
+        except TimeoutError:
+            raise timed_out(timeout_s) from None
     finally:  # whatever happened (even before the streams were read), nothing is left running
         for s in streams:
             s.abort()
@@ -105,26 +118,32 @@ async def _whole(request_id: str, streams: list[RequestStream], shape: ResponseS
 
 async def _stream(request: web.Request, request_id: str, streams: list[RequestStream],
                   shape: ResponseShape, timers: list, include_usage: bool,
-                  num_prompt_tokens: int) -> web.StreamResponse:
+                  num_prompt_tokens: int, timeout_s: float | None) -> web.StreamResponse:
     writer = SSEWriter(request, echo_id(request))
     outputs = [0] * len(streams)
     try:
         await writer.start()
         for chunk in shape.first_chunks(len(streams)):
             await writer.send(chunk)
-        async with merged(streams) as deltas:
-            async for k, d in deltas:
-                timers[k].on_tokens(len(d.token_ids))
-                outputs[k] = max(outputs[k], d.num_output_tokens)
-                if d.finished:
-                    timers[k].finish(d.finish_reason or "stop")
-                    if d.finish_reason in ("error", "abort"):
-                        log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
-                        await writer.send(failure(d).body())
-                        await writer.done()
-                        return writer.response
-                for chunk in shape.delta_chunks(k, d):
-                    await writer.send(chunk)
+        try:
+            async with asyncio.timeout(timeout_s), merged(streams) as deltas:
+                async for k, d in deltas:
+                    timers[k].on_tokens(len(d.token_ids))
+                    outputs[k] = max(outputs[k], d.num_output_tokens)
+                    if d.finished:
+                        timers[k].finish(d.finish_reason or "stop")
+                        if d.finish_reason in ("error", "abort"):
+                            log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
+                            await writer.send(failure(d).body())
+                            await writer.done()
+                            return writer.response
+                    for chunk in shape.delta_chunks(k, d):
+                        await writer.send(chunk)
+        except TimeoutError:
+            log.info("[%s] request timeout (%g s); aborted", request_id, timeout_s)
+            await writer.send(timed_out(timeout_s or 0.0).body())
+            await writer.done()
+            return writer.response
         if include_usage:
             await writer.send(shape.usage_chunk(usage_of(num_prompt_tokens, sum(outputs))))
         await writer.done()

@@ -51,9 +51,16 @@ class EngineCollector(Collector):
                                 e.info.weight_bytes)
         yield GaugeMetricFamily("tessellm:engine_core_alive",
                                 "1 while the engine core process runs, else 0", int(e.is_alive))
+        yield GaugeMetricFamily("tessellm:engine_core_responsive",
+                                "1 while the engine core reports within the heartbeat timeout "
+                                "(and its step is not stalled), else 0",
+                                int(e.is_alive and e.unresponsive_reason is None))
         yield GaugeMetricFamily("tessellm:engine_core_last_report_age_seconds",
                                 "Seconds since the engine core's latest message",
                                 time.monotonic() - e.last_heard)
+        yield GaugeMetricFamily("tessellm:engine_core_step_age_seconds",
+                                "Seconds the engine core's current step has run (0: none)",
+                                e.liveness.step_age_s)
         yield CounterMetricFamily("tessellm:prompt_tokens", "Prompt tokens computed",
                                   s.num_prompt_tokens)
         yield CounterMetricFamily("tessellm:generation_tokens", "Tokens generated",

@@ -6,14 +6,22 @@ from tessellm.errors import InvalidRequestError
 from tessellm.sampling_params import SamplingParams
 from tessellm.server.errors import APIError, bad_request
 from tessellm.server.protocol import SamplingFields
+from tessellm.server.server_config import ServerConfig
 
 
-def check_limits(req: SamplingFields, max_n: int, num_prompts: int = 1) -> None:
+def check_limits(req: SamplingFields, config: ServerConfig, num_prompts: int = 1) -> None:
+    """n and the number of prompts against the server's limits; a request with more
+    sequences than may ever wait at once (n x prompts > max_queue) can never be taken: a 400,
+    not a 503 its client would retry forever."""
+    max_n = config.max_n
     if req.n > max_n:
         raise bad_request(f"n is {req.n}; this server allows at most {max_n}", "n")
     if num_prompts > max_n:
         raise bad_request(f"{num_prompts} prompts in one request; this server allows at most "
                           f"{max_n}", "prompt")
+    if req.n * num_prompts > config.max_queue:
+        raise bad_request(f"the request asks for {req.n * num_prompts} sequences (n x prompts); "
+                          f"this server queues at most {config.max_queue} at once", "n")
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,

@@ -2,6 +2,8 @@
 
 Strict validation: JSON types must match (`"n": "2"` or `"n": true` is a 400, never coerced);
 unknown fields are a 400 naming the field, as OpenAI answers "Unrecognized request argument".
+Every number is range-checked here: floats must be finite (1e999 parses as infinity: a 400),
+integers that reach the engine must fit in 64 bits.
 Fields OpenAI has but this server does not implement are declared so that their default is
 accepted and any other value is a clear 400 (`echo`, `suffix`, `best_of`, `logit_bias`).
 Responses are built as plain dicts by the handlers (completions.py, chat.py): they are
@@ -12,18 +14,22 @@ stop_token_ids, priority.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tessellm.sampling_params import MAX_LOGPROBS
+from tessellm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 
-MAX_STOP_STRINGS = 16
 _INT64 = 2 ** 63
+Int64 = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
+# content part types of OpenAI's chat API that a text-only model cannot take
+UNSUPPORTED_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
+                     "input_audio": "audio", "audio": "audio", "file": "file",
+                     "input_file": "file", "video_url": "video"}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -37,11 +43,11 @@ class SamplingFields(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = Field(None, max_length=1024)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,7 +55,7 @@ class SamplingFields(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     user: str | None = None  # OpenAI's end-user id; accepted, not used
     logit_bias: dict[str, float] | None = None
 
@@ -130,6 +136,19 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        """A part this server cannot take is named (not pydantic's union error)."""
+        if isinstance(v, list):
+            for part in v:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in UNSUPPORTED_PARTS:
+                    raise ValueError(f"{UNSUPPORTED_PARTS[kind]} input ({kind!r} content "
+                                     "parts) is not supported: this server serves a "
+                                     "text-only model")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -1,9 +1,10 @@
 """Per-request plumbing shared by the handlers: app/request keys, the request id, and
-reading a JSON body into a schema (invalid JSON 400, over the size limit 413, wrong types 400).
+reading a JSON body into a schema (invalid JSON 400, over the size limit 413, wrong types 400,
+a body that does not arrive within body_timeout_s 408).
 """
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
 from typing import Any, TypeVar
@@ -11,7 +12,9 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from tessellm.errors import InvalidRequestError
 from tessellm.server.errors import APIError, bad_request, validation_error
+from tessellm.server.json_body import parse_json_object
 from tessellm.server.state import ServerState
 
 STATE_KEY = web.AppKey("tessellm_state", ServerState)
@@ -52,10 +55,6 @@ def request_context(request: web.Request) -> tuple[ServerState, str, float]:
     return request.app[STATE_KEY], request[REQUEST_ID], request[ARRIVAL]
 
 
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 # The content types a browser may POST cross-origin without a CORS preflight: a page on any
 # site could otherwise make a visitor's browser run requests on a server without an API key.
 SIMPLE_FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded",
@@ -68,21 +67,24 @@ async def read_body(request: web.Request, model: type[M]) -> M:
     if request.content_type in SIMPLE_FORM_TYPES:
         raise APIError(415, f"the request body is sent as {request.content_type!r}; send JSON "
                        "with Content-Type: application/json")
-    limit = request.app[STATE_KEY].config.max_body_bytes
+    config = request.app[STATE_KEY].config
+    limit = config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"the request body has {request.content_length} bytes; the limit "
                        f"is {limit}")
     try:
-        raw = await request.read()
+        async with asyncio.timeout(config.body_timeout_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"the request body is larger than the limit of {limit} bytes") \
             from None
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within "
+                       f"{config.body_timeout_s:g} s", code="body_timeout") from None
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
+        data = parse_json_object(raw)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), e.param) from None
     try:
         return model.model_validate(data)
     except ValidationError as e:

@@ -29,7 +29,9 @@ from tessellm.errors import ConfigError
 from tessellm.models.demo import DEMO_NOTICE
 from tessellm.models.loader import load_source_tokenizer
 from tessellm.models.source import ModelSource
+from tessellm.engine.core_liveness import LivenessConfig
 from tessellm.server.app import create_app
+from tessellm.server.connections import ConnectionGuard, GuardedTCPSite, connection_cap
 from tessellm.server.server_config import ServerConfig
 from tessellm.server.state import ServerState
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs rid=%{X-Request-Id}o'
 CONNECTION_CLOSE_TIMEOUT_S = 5.0
 DEATH_GRACE_S = 1.0  # after the core died: still listening, so health checks see the 503
+LINGERING_S = 2.0    # after an answer to an unread body (408, 413): drain it this long, close
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -92,14 +95,20 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     except BaseException:
         await loop.run_in_executor(None, core.close)
         raise
-    async_engine = AsyncEngine(core, tokenizer, max_waiting=config.max_queue)
+    async_engine = AsyncEngine(core, tokenizer, max_waiting=config.max_queue,
+                               liveness=LivenessConfig(config.engine_heartbeat_timeout_s,
+                                                       config.engine_stall_timeout_s))
     state = ServerState.build(async_engine, tokenizer, config, source, model_option,
                               chat_template)
-    runner = web.AppRunner(create_app(state), handler_cancellation=True,
-                           access_log_format=ACCESS_LOG_FORMAT,
-                           shutdown_timeout=CONNECTION_CLOSE_TIMEOUT_S)
+    handler_options = {"access_log_format": ACCESS_LOG_FORMAT,
+                       "keepalive_timeout": config.keepalive_timeout_s,
+                       "lingering_time": LINGERING_S}
+    guard = ConnectionGuard(connection_cap(config.max_connections), config.header_timeout_s,
+                            handler_options)
+    runner = web.AppRunner(create_app(state, guard), handler_cancellation=True,
+                           shutdown_timeout=CONNECTION_CLOSE_TIMEOUT_S, **handler_options)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = GuardedTCPSite(runner, config.host, config.port, guard)
     try:
         await site.start()
     except OSError as e:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator,
+                      model_validator)
 
 from tessellm.config import EngineConfig
 from tessellm.errors import ConfigError
@@ -37,6 +38,30 @@ class ServerConfig(BaseModel):
                                       "the tokenizer's")
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight "
                                    "requests may finish before they are aborted")
+    request_timeout_s: float | None = Field(None, gt=0, description="end a request that has not "
+                                            "finished after this many seconds with an error "
+                                            "(default: no limit)")
+    engine_heartbeat_timeout_s: float = Field(2.0, gt=0, description="the engine core silent "
+                                              "this long: /health 503, new requests 503")
+    engine_stall_timeout_s: float = Field(60.0, gt=0, description="the engine core silent (or "
+                                          "one step running) this long: requests in flight "
+                                          "fail")
+    header_timeout_s: float = Field(30.0, gt=0, description="most seconds from a request's "
+                                    "first byte to the end of its headers")
+    body_timeout_s: float = Field(60.0, gt=0, description="most seconds to receive a request "
+                                  "body once its headers are in")
+    keepalive_timeout_s: float = Field(75.0, gt=0, description="an idle connection (none sent "
+                                       "yet, or between requests) is closed after this long")
+    max_connections: int = Field(1000, ge=1, description="open connections beyond this are "
+                                 "answered 503 and closed")
+
+    @model_validator(mode="after")
+    def _liveness_order(self) -> ServerConfig:
+        if self.engine_heartbeat_timeout_s > self.engine_stall_timeout_s:
+            raise ValueError(f"engine_heartbeat_timeout_s ({self.engine_heartbeat_timeout_s}) "
+                             f"must not exceed engine_stall_timeout_s "
+                             f"({self.engine_stall_timeout_s})")
+        return self
 
     @field_validator("api_key")
     @classmethod

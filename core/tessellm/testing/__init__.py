@@ -15,6 +15,8 @@ or, without registering the plugin, in the test module itself:
     TESSELLM_DEVICES = ["mychip"]
 
 The hooks import nothing from pytest at module level, so importing this package never needs it.
+Beside the kit: `hostile_requests` (a catalogue of hostile HTTP requests and the answers a
+server owes them) and `raw_http` (sending them), used by the server tests and `bench soak`.
 """
 from __future__ import annotations
 
