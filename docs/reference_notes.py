@@ -111,7 +111,19 @@ _SAMPLING = {
     "priority": "0 is the most urgent class; a waiting urgent request may preempt running "
                 "less urgent ones (extension)",
     "user": "OpenAI's end-user id: accepted, not used",
-    "logit_bias": "not supported: only an empty or absent value is accepted",
+    "logit_bias": "`{\"token id\": bias}` added to the logits after the penalties, each bias "
+                  "in [-100, 100] (OpenAI's semantics; ids checked against the vocabulary)",
+    "response_format": "`{\"type\": \"text\"}`, `{\"type\": \"json_object\"}` (any JSON "
+                       "object) or `{\"type\": \"json_schema\", \"json_schema\": {\"name\", "
+                       "\"schema\", \"strict\"}}`: the output is constrained to it (enforced "
+                       "by a grammar, strict or not)",
+    "structured_outputs": "vLLM's constraint: exactly one of `json` (a schema), `json_object`, "
+                          "`regex`, `choice` (a list of strings), `grammar` (Lark or GBNF), "
+                          "with optional `disable_any_whitespace` (extension)",
+    "guided_json": "vLLM's older name for structured_outputs.json (extension)",
+    "guided_regex": "vLLM's older name for structured_outputs.regex (extension)",
+    "guided_choice": "vLLM's older name for structured_outputs.choice (extension)",
+    "guided_grammar": "vLLM's older name for structured_outputs.grammar (extension)",
 }
 
 CHAT_NOTES = MappingProxyType({
@@ -119,7 +131,16 @@ CHAT_NOTES = MappingProxyType({
     "max_tokens": "most tokens to generate; default the context left after the prompt",
     "messages": "the conversation: `role` (system, developer, user, assistant, tool), "
                 "`content` (a string or a list of `{\"type\": \"text\", \"text\": ...}` parts), "
-                "optional `name`; rendered with the chat template",
+                "optional `name`, an assistant turn's `tool_calls`, a tool turn's "
+                "`tool_call_id`; rendered with the chat template",
+    "tools": "functions the model may call: `{\"type\": \"function\", \"function\": "
+             "{\"name\", \"description\", \"parameters\"}}` (parameters: a JSON schema of "
+             "type object); rendered by the chat template if it knows tools, else by a "
+             "generic prompt",
+    "tool_choice": "`none`, `auto` (the default with tools: the model decides), `required` "
+                   "or `{\"type\": \"function\", \"function\": {\"name\"}}`: a valid call "
+                   "of a listed (or the named) function, enforced by a grammar",
+    "parallel_tool_calls": "with required or named tool_choice: allow more than one call",
     "max_completion_tokens": "OpenAI's newer name for max_tokens (wins when both are given)",
     "logprobs": "return the sampled tokens' log probabilities",
     "top_logprobs": "with logprobs: also the most likely tokens at each position (at most 20)",
@@ -132,7 +153,7 @@ COMPLETION_NOTES = MappingProxyType({
               "and sample)",
     "logprobs": "return the sampled tokens' log probabilities and this many most likely "
                 "tokens at each position (at most 20)",
-    "echo": "not supported: only false is accepted",
+    "echo": "each choice's text starts with its prompt",
     "suffix": "not supported: only an empty or absent value is accepted",
     "best_of": "accepted only when equal to n",
 })

@@ -60,3 +60,18 @@ __all__ += [
     "builtin_architecture_names", "gpt2_spec", "graph_ops", "linear_call", "linear_dims",
     "llama_family_spec",
 ]
+
+# 1.5: tool-call formats (the tessellm_tool_call_formats hook)
+from tessellm.tools.call_format import (  # noqa: E402
+    ArgumentsDelta,
+    CallFormat,
+    CallStarted,
+    ContentDelta,
+    ParsedOutput,
+    ToolCall,
+    ToolCallStream,
+    ToolSpec,
+)
+
+__all__ += ["ArgumentsDelta", "CallFormat", "CallStarted", "ContentDelta", "ParsedOutput",
+            "ToolCall", "ToolCallStream", "ToolSpec"]

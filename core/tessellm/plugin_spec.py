@@ -35,7 +35,9 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # TESSELLM_OVERRIDE_ARCHITECTURES; name clashes are refused instead of first-wins only;
 # tensor parallelism's Communicator and the optional DevicePlugin.communicator hook.
 # 1.4 (additive): DevicePlugin.asynchronous (the default for async scheduling).
-API_VERSION = "1.4"
+# 1.5 (additive): the apply_token_bitmask op (constrained decoding), the
+# tessellm_tool_call_formats hook (plugin_api.CallFormat and the ToolCallFormat protocol).
+API_VERSION = "1.5"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -58,3 +60,9 @@ class TessellmHookSpecs:
     def tessellm_graph_passes(self) -> list[Any]:
         """Extra graph passes (plugin_api.GraphPass), run after the built-in fusions and
         before dead-code removal, each only where the device has the ops it `requires`."""
+
+    @hookspec
+    def tessellm_tool_call_formats(self) -> list[Any]:
+        """Extra tool-call formats (plugin_api.CallFormat, or any object with its `name`,
+        `stream`, `parse_calls`, `matches_template` and `grammar`), chosen by
+        --tool-call-parser NAME or by a chat template they match (after the built-in ones)."""

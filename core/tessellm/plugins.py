@@ -45,6 +45,9 @@ from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP, PROJECT, Tessel
 OVERRIDES_ATTR = "TESSELLM_OVERRIDE_ARCHITECTURES"
 
 
+TOOL_FORMAT_METHODS = ("stream", "parse_calls", "matches_template", "grammar")
+
+
 def builtin_pass_names() -> frozenset[str]:
     """Names of the passes tessellm itself may run (fusions, quantize_<format>, dead code)."""
     return frozenset({p.name for p in default_passes()}
@@ -90,6 +93,7 @@ class PluginManager:
         self._kernel_owner: dict[tuple[str, str, str], str] = {}   # (device, op, name) -> plugin
         self._architectures: dict[str, Any] | None = None
         self._graph_passes: list[Any] | None = None
+        self._tool_formats: list[Any] | None = None
 
     # -- loading -------------------------------------------------------------------------
 
@@ -331,6 +335,31 @@ class PluginManager:
             self._graph_passes = passes
         return list(self._graph_passes)
 
+    def tool_call_formats(self) -> list[Any]:
+        """The plugins' tool-call formats in plugin order; one named like a built-in or an
+        earlier plugin's format, or lacking the format methods, is refused on its record."""
+        from tessellm.tools.formats import BUILTIN_FORMATS
+        self.load()
+        if self._tool_formats is None:
+            taken = {f.name: "tessellm" for f in BUILTIN_FORMATS}
+            formats: list[Any] = []
+            for record, result in self._hook_results("tessellm_tool_call_formats",
+                                                     (list, tuple)):
+                for f in result:
+                    name = getattr(f, "name", None)
+                    missing = [m for m in TOOL_FORMAT_METHODS if not callable(getattr(f, m, None))]
+                    if not isinstance(name, str) or missing:
+                        record.add_error(f"PluginError: tool-call format {f!r} lacks "
+                                         f"{', '.join(missing) or 'a name'} (ignored)")
+                    elif name in taken:
+                        record.add_error(f"PluginError: tool-call format {name!r} would override "
+                                         f"the one of {taken[name]!r} (refused)")
+                    else:
+                        taken[name] = record.name
+                        formats.append(f)
+            self._tool_formats = formats
+        return list(self._tool_formats)
+
     def _hook_results(self, hook_name: str, kind: type | tuple[type, ...]) -> list[tuple[PluginRecord, Any]]:
         out = []
         for record, plugin in self._loaded_plugins():
@@ -354,6 +383,7 @@ class PluginManager:
         self.kernel_registry()
         self.architectures()
         self.graph_passes()
+        self.tool_call_formats()
         return [plugin_row(r) for r in self.records]
 
 

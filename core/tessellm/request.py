@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tessellm.sampling_params import SamplingParams
 
@@ -34,6 +34,20 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+
+
+class OutputConstraint(Protocol):
+    """What a request's output must be, token by token (tessellm.constraints): it has seen
+    every output token; `accept` says whether the next one is allowed (False sets `error`)."""
+
+    error: str | None
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_terminated(self) -> bool: ...   # only EOS may follow: the output is complete
+
+    def fork(self) -> OutputConstraint: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +70,8 @@ class Request:
     cache_salt: str | None = None  # prefix-cache namespace: only equal salts share KV blocks
     priority: int = 0  # scheduling class: lower runs first (0 most urgent); see tessellm.scheduler
     num_pending: int = 0  # sampled on the device, not read back yet (async scheduling)
+    constraint: OutputConstraint | None = None  # structured output: its matcher (see above)
+    error: str | None = None  # why it finished with ERROR, when not a failed step
 
     @property
     def num_tokens(self) -> int:
@@ -101,14 +117,21 @@ class Request:
 
     def append_output(self, token_id: int) -> None:
         """Append a sampled token (resolving the oldest pending one, if any) and decide
-        whether the request is finished."""
+        whether the request is finished. With a constraint: a token it refuses finishes the
+        request with ERROR (the token mask makes that a bug), and a complete constrained
+        output finishes it with STOP at once (no step is spent on the EOS it would force)."""
         if self.num_pending:
             self.num_pending -= 1
         self.output_token_ids.append(token_id)
+        constraint = self.constraint
+        if constraint is not None and not constraint.accept(token_id):
+            self.error = constraint.error
+            self.finish(FinishReason.ERROR)
+            return
         p = self.params
         if token_id in p.stop_token_ids or (
             not p.ignore_eos and token_id in self.eos_token_ids
-        ):
+        ) or (constraint is not None and constraint.is_terminated):
             self.finish(FinishReason.STOP)
         elif len(self.output_token_ids) >= p.max_tokens:
             self.finish(FinishReason.LENGTH)

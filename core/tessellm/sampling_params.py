@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tessellm.constraints.structured_outputs import StructuredOutputs
 from tessellm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask logprobs for (OpenAI's cap)
@@ -12,6 +13,8 @@ MAX_STOP_STRINGS = 16  # the most stop strings a request may carry (the server's
 # the softmax to NaN, and long before that sampling equals greedy (vLLM's _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+MAX_LOGIT_BIAS = 100.0      # |bias| (OpenAI's range)
+MAX_LOGIT_BIAS_ENTRIES = 4096
 
 
 def _int64(name: str, value: object, param: str | None = None) -> int:
@@ -56,6 +59,34 @@ def _stop_strings(stop: object) -> list[str]:
     return unique
 
 
+def _logit_bias(bias: object) -> dict[int, float] | None:
+    """{token id: finite bias in [-100, 100]} (ids may arrive as strings: JSON keys); None
+    when empty."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, got "
+                                  f"{type(bias).__name__}", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias has {len(bias)} entries; at most "
+                                  f"{MAX_LOGIT_BIAS_ENTRIES}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                          "logit_bias") from None
+        token = _int64("logit_bias token id", key, "logit_bias")
+        v = _real("logit_bias value", value)
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {v} for "
+                                      f"token {token}", "logit_bias")
+        out[token] = v
+    return out or None
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -80,6 +111,13 @@ class SamplingParams:
     (OpenAI's semantics; tessellm.engine.stop_strings); the token ids keep the tokens up to
     the one that completed it. `n`: samples of the prompt (LLM.generate; sample i seeded with
     seed + i). Neither changes what the sampler does for one sequence.
+
+    `logit_bias`: {token id: bias in [-100, 100]} added to the logits after the penalties
+    (OpenAI's semantics; ids are checked against the vocabulary by the engine).
+    `structured_outputs`: a constraint on the output (tessellm.constraints: a JSON schema, any
+    JSON object, a regex, a choice, a grammar); tokens that would break it get -inf after the
+    logit bias, so greedy, sampling and logprobs all see only allowed tokens, and a complete
+    constrained output finishes the request (reason "stop").
     """
 
     max_tokens: int = 16
@@ -96,6 +134,8 @@ class SamplingParams:
     logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     n: int = 1
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if _int64("max_tokens", self.max_tokens) < 1:
@@ -140,6 +180,8 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,7 @@ DIMS: dict[str, list[dict[str, int]]] = {
     "write_kv_cache": [{"num_kv_heads": 2, "head_dim": 16}],
     "attention_decode": [ATTN], "attention_prefill": [ATTN],
     "greedy_tokens": [{"vocab": 1000}, {"vocab": 5003}],
+    "apply_token_bitmask": [{"vocab": 1000}, {"vocab": 5003}, {"vocab": 64}],
 }
 TOKENS = [1, 3, 17, 130]
 # kernels offered only for some calls: what each claims (checked both ways below)

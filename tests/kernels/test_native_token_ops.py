@@ -1,6 +1,6 @@
 """The CPU plugin's C per-token kernels (native/token_ops.c) against the reference ops:
 rotary embedding, the KV-cache write (slot -1 skipped), RMSNorm plain and fused with the add,
-silu_and_mul and the greedy argmax; float32 and bfloat16, row-strided views of a fused qkv
+silu_and_mul, the greedy argmax and the token bitmask; float32 and bfloat16, row-strided views of a fused qkv
 tensor, and the input checks."""
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 
 from tessellm.kernels import reference as ref
 from tessellm.kernels.profiler import TOLERANCES
+from tessellm.kernels.examples import bitmask_example
 from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeGreedy, NativeRmsNorm,
-                                           NativeRotary, NativeSiluAndMul, NativeWriteKV)
+                                           NativeRotary, NativeSiluAndMul, NativeTokenBitmask,
+                                           NativeWriteKV)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -157,11 +159,34 @@ def test_greedy_reads_row_strided_views_and_refuses_other_shapes() -> None:
         NativeGreedy()(torch.empty(2, 0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (2, 31), (4, 32), (3, 33), (7, 1000),
+                                             (5, 49153), (64, 32000)])
+def test_token_bitmask_equals_the_reference_bit_for_bit(dtype, rows, vocab) -> None:
+    """Every word pattern of the example (all ones, none, single bits, random; bits past the
+    vocabulary set), on a row-strided view whose other columns stay untouched."""
+    x, mask = bitmask_example(rows, vocab, dtype, "cpu", torch.Generator().manual_seed(vocab))
+    wide = torch.randn(rows, vocab + 5).to(dtype)
+    wide[:, :vocab] = x
+    view, want = wide[:, :vocab], x.clone()
+    NativeTokenBitmask()(view, mask)
+    ref.apply_token_bitmask(want, mask)
+    assert torch.equal(view, want) and torch.equal(wide[:, vocab:].isinf(),
+                                                   torch.zeros(rows, 5, dtype=torch.bool))
+
+
+def test_token_bitmask_refuses_a_mask_of_another_shape() -> None:
+    with pytest.raises(ValueError, match=r"int32 \[2, 2\]"):
+        NativeTokenBitmask()(torch.randn(2, 40), torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32"):
+        NativeTokenBitmask()(torch.randn(2, 40), torch.zeros(2, 2, dtype=torch.int64))
+
+
 def test_portable_build_without_avx512_compiles_loads_and_agrees(tmp_path) -> None:
     """token_ops.c for an x86-64 baseline CPU (its scalar paths): no undeclared function (a
     macro that named another macro's parameters once left symbols undefined, so the library
     failed to load on CPUs without AVX-512), and its greedy and silu_and_mul equal the
-    reference."""
+    reference, and so does its token bitmask."""
     import ctypes
     import platform
     import shutil
@@ -190,3 +215,11 @@ def test_portable_build_without_avx512_compiles_loads_and_agrees(tmp_path) -> No
     lib.silu_and_mul_f32.argtypes = [p, i64, i64, i64, p]
     assert lib.silu_and_mul_f32(y.data_ptr(), 40, 3, 20, got.data_ptr()) == 0
     _close(got, ref.silu_and_mul(y))
+    for dtype, fn in ((torch.float32, lib.apply_token_bitmask_f32),
+                      (torch.bfloat16, lib.apply_token_bitmask_bf16)):
+        z, mask = bitmask_example(4, 77, dtype, "cpu", torch.Generator().manual_seed(3))
+        want = z.clone()
+        ref.apply_token_bitmask(want, mask)
+        fn.argtypes = [p, i64, p, i64, i64, i64]
+        assert fn(z.data_ptr(), 77, mask.data_ptr(), 3, 4, 77) == 0
+        assert torch.equal(z, want)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -19,10 +20,11 @@ def recorded_logits(llm: LLM) -> Iterator[list[torch.Tensor]]:
     seen: list[torch.Tensor] = []
     sampler = llm.engine.runner.sampler
 
-    def record(logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
+    def record(logits: torch.Tensor, rows: Sequence[SampleRequest],
+               masks: Any = None) -> SamplerOutput:
         real = sum(1 for r in rows if r is not PADDING_ROW)
         seen.append(logits[:real].detach().cpu().clone())
-        return sampler(logits, rows)
+        return sampler(logits, rows, masks)
 
     llm.engine.runner.sampler = record
     try:

@@ -183,7 +183,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server_flags = ("host", "port", "api_key", "max_queue", "max_body_bytes", "max_n",
                     "chat_template", "drain_timeout_s", "request_timeout_s",
                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "header_timeout_s",
-                    "body_timeout_s", "keepalive_timeout_s", "max_connections")
+                    "body_timeout_s", "keepalive_timeout_s", "max_connections",
+                    "tool_call_parser")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
     engine_config, server_config = load_configs(a.config, overrides)
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="idle connections are closed after this many seconds (default 75)")
     s.add_argument("--max-connections", type=int, default=None,
                    help="open connections beyond this get 503 (default 1000)")
+    s.add_argument("--tool-call-parser", default=None,
+                   help="tool-call format: hermes, llama3_json, mistral or a plugin's (default: "
+                        "the one the chat template implies; hermes for the generic prompt)")
     # test-only: reads the TESSELLM_TEST_* fault/delay hooks (tessellm.engine.test_hooks)
     s.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)

@@ -59,10 +59,12 @@ def _text(content: Any, i: int) -> str:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template: str | None,
-                *, add_generation_prompt: bool = True, hint: str = OFFLINE_HINT) -> str:
+                *, add_generation_prompt: bool = True, hint: str = OFFLINE_HINT,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The template's text for `messages` (validated by template_messages), ending with the
     assistant's generation prompt when `add_generation_prompt`. `hint`: how the caller's user
-    gives a template, for the error when there is none."""
+    gives a template, for the error when there is none. `tools`: OpenAI tool definitions for
+    a template that renders them (tessellm.tools.tool_prompt decides)."""
     if template is None:
         raise InvalidRequestError(f"this model has no chat template; {hint}", "messages")
     if not callable(getattr(tokenizer, "apply_chat_template", None)):
@@ -72,7 +74,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template:
     msgs = template_messages(messages)
     try:
         text = tokenizer.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             tools=list(tools) if tools else None)
     except Exception as e:  # a template raising on these messages: the caller's to fix
         raise InvalidRequestError(f"the chat template failed on these messages: "
                                   f"{type(e).__name__}: {e}", "messages") from None
@@ -83,9 +86,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template:
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], template: str | None,
-                *, add_generation_prompt: bool = True, hint: str = OFFLINE_HINT
-                ) -> tuple[str, list[int]]:
+                *, add_generation_prompt: bool = True, hint: str = OFFLINE_HINT,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The rendered prompt and its token ids, with no special tokens added on top."""
     text = render_chat(tokenizer, messages, template,
-                       add_generation_prompt=add_generation_prompt, hint=hint)
+                       add_generation_prompt=add_generation_prompt, hint=hint, tools=tools)
     return text, list(tokenizer.encode(text, add_special_tokens=False))

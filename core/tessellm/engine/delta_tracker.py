@@ -34,7 +34,7 @@ class DeltaTracker:
             if n == sent and not r.is_finished:
                 continue
             reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
-            error = self.step_errors.pop(rid, "engine step failed") \
+            error = (r.error or self.step_errors.pop(rid, "engine step failed")) \
                 if r.finish_reason is FinishReason.ERROR else None
             out.append(TokenDelta(rid, r.output_token_ids[sent:n], r.output_logprobs[sent:n],
                                   r.is_finished, reason, error, r.num_prompt_tokens, n))

@@ -1,8 +1,9 @@
 """Kernel choice before the first request: every token bucket an engine can meet is
 profiled (or resolved by the kernel_selection policy) up front, and so are the sampler's
-`sample_tokens` and `greedy_tokens` kernels for every bucket of rows up to max_num_seqs (on
-a device that has them; greedy in the model's dtype and in float32, the dtype of penalised
-logits); then weights take the layout their kernels read
+`sample_tokens`, `greedy_tokens` and `apply_token_bitmask` kernels for every bucket of rows up
+to max_num_seqs (on a device that has them; greedy in the model's dtype and in float32, the
+dtype of penalised logits; the token mask in float32); then weights take the layout their
+kernels read
 (tessellm.graph.lowering.adopt_weight_layouts), then the device's decode graphs are captured
 (after that warm-up, on padding rows only).
 
@@ -19,8 +20,8 @@ import torch
 
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.llm_engine import LLMEngine
-from tessellm.engine.sampler import (GREEDY_OP, SAMPLE_OP, greedy_kernel_query,
-                                     sample_kernel_query)
+from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, bitmask_kernel_query,
+                                     greedy_kernel_query, sample_kernel_query)
 from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
 from tessellm.kernels.profiler import token_bucket
 
@@ -37,7 +38,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 def _select_sample_kernels(parts: EngineParts, bucket: int) -> dict[str, str]:
-    """The random-sampling and greedy kernels for `bucket` rows (rows are sampled sequences,
+    """The random-sampling, greedy and token-mask kernels for `bucket` rows (rows are sampled sequences,
     so buckets up to max_num_seqs), where the device has them; else the sampler runs the
     reference."""
     selector, vocab = parts.selector, parts.spec.vocab_size
@@ -47,6 +48,8 @@ def _select_sample_kernels(parts: EngineParts, bucket: int) -> dict[str, str]:
     if selector.registry.has_op(selector.device_name, GREEDY_OP):
         queries += [greedy_kernel_query(bucket, vocab, dt)
                     for dt in dict.fromkeys((parts.dtype, torch.float32))]
+    if selector.registry.has_op(selector.device_name, BITMASK_OP):
+        queries.append(bitmask_kernel_query(bucket, vocab))
     return {q.bucket_key: selector.select(q).name for q in queries}
 
 

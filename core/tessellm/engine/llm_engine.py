@@ -22,12 +22,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.constraints.compiler import GrammarCompiler
+from tessellm.constraints.guidance_tokenizer import guidance_tokenizer
+from tessellm.constraints.request_constraint import RequestConstraint
+from tessellm.constraints.step_masks import StepMasks
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner
 from tessellm.engine.step_inputs import LaunchedStep
 from tessellm.engine.request_limits import RequestLimits
-from tessellm.engine.sampler import (GREEDY_OP, SAMPLE_OP, SelectGreedyKernel,
-                                     SelectSampleKernel, greedy_kernel_query,
+from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, SelectBitmaskKernel,
+                                     SelectGreedyKernel, SelectSampleKernel,
+                                     bitmask_kernel_query, greedy_kernel_query,
                                      sample_kernel_query)
 from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
@@ -87,6 +92,19 @@ def greedy_kernel_select(selector: KernelSelector) -> SelectGreedyKernel | None:
     return select
 
 
+def bitmask_kernel_select(selector: KernelSelector) -> SelectBitmaskKernel | None:
+    """The Sampler's kernel for the token masks of constrained rows: the device's
+    `apply_token_bitmask` kernel for the rows' token bucket (float32), chosen like any other
+    op; None on a device with no such kernel, where the Sampler runs the reference."""
+    if not selector.registry.has_op(selector.device_name, BITMASK_OP):
+        return None
+
+    def select(rows: int, vocab: int) -> Callable[..., None]:
+        return selector.select(bitmask_kernel_query(token_bucket(rows), vocab)).fn
+
+    return select
+
+
 def async_scheduling_enabled(parts: EngineParts) -> bool:
     """config.async_scheduling, or (None) whether the device runs asynchronously. Raises
     ConfigError on a static-shape device (the feed would be a shape of its own per step);
@@ -118,7 +136,10 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
                        static_shapes=parts.device.static_shapes(
                            c.max_num_batched_tokens, c.max_num_seqs),
                        followers=parts.parallel.channel if leads else None,
-                       overlap=async_scheduling_enabled(parts))
+                       overlap=async_scheduling_enabled(parts),
+                       token_masks=StepMasks(parts.spec.vocab_size, c.max_num_seqs)
+                       if parts.tokenizer is not None else None,
+                       select_bitmask_kernel=bitmask_kernel_select(parts.selector))
 
 
 class LLMEngine:
@@ -146,6 +167,8 @@ class LLMEngine:
         self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
                                     c.block_size, self.kv.num_blocks)
         self._ids = itertools.count()
+        self.grammars = GrammarCompiler(lambda: guidance_tokenizer(
+            parts.tokenizer, parts.spec.vocab_size, parts.eos_token_ids))
         self._in_flight: LaunchedStep | None = None
         self._in_flight_t0 = 0.0
         self._last_completed = 0.0
@@ -188,6 +211,16 @@ class LLMEngine:
         configuration, so the async front end may call it from its own thread."""
         self.limits.validate(prompt_token_ids, params, priority)
 
+    def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
+        """A new matcher for a constrained request (InvalidRequestError for a bad spec)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.parts.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer, so it cannot constrain "
+                                      "outputs")
+        return RequestConstraint(self.grammars.matcher(spec))
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
                     priority: int = 0) -> Request:
@@ -199,9 +232,10 @@ class LLMEngine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(
                 f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        constraint = self._constraint(params)
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
                           time.monotonic(), eos_token_ids=self.parts.eos_token_ids,
-                          cache_salt=cache_salt, priority=priority)
+                          cache_salt=cache_salt, priority=priority, constraint=constraint)
         self.scheduler.add_request(request)
         return request
 
@@ -222,11 +256,13 @@ class LLMEngine:
                 f"cache_salt must be a string, got {type(cache_salt).__name__}")
         base = request_id or f"req-{next(self._ids)}"
         now = time.monotonic()
+        constraint = self._constraint(params)
         requests = [
             Request(f"{base}-{i}", list(prompt_token_ids),
                     params if params.seed is None else replace(params, seed=params.seed + i),
                     now, eos_token_ids=self.parts.eos_token_ids, cache_salt=cache_salt,
-                    priority=priority)
+                    priority=priority,
+                    constraint=None if constraint is None else constraint.fork())
             for i in range(n)]
         self.scheduler.add_request_group(requests[0], requests[1:])
         return requests
@@ -294,11 +330,13 @@ class LLMEngine:
 
     @staticmethod
     def _can_stay_in_flight(step: LaunchedStep) -> bool:
-        """Whether the next step may be scheduled before this one's ids are on the host."""
+        """Whether the next step may be scheduled before this one's ids are on the host (not
+        when a row's next logits depend on its ids on the host: penalties, a constraint)."""
         if step.out.forks:
             return False
         return not any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
-                       or r.params.frequency_penalty for r in step.sampled)
+                       or r.params.frequency_penalty or r.constraint is not None
+                       for r in step.sampled)
 
     def _fail_step(self, out, exc: Exception) -> Exception:
         """Fail a step's requests (freeing their blocks); returns the error to raise: a

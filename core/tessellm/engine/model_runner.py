@@ -30,6 +30,10 @@ alone before the first request, so serving compiles nothing new.
 
 Padded logits rows are sampled greedily as dummy rows and dropped after the readback.
 
+Constrained rows (tessellm.constraints): `launch` starts their token masks (StepMasks, a
+worker thread) after the inputs are built and before the plan is run, and the sampler waits
+for them only when it needs them; the masks go up like the sampler's other small tables.
+
 Overlap (async scheduling, `overlap=True`): `launch` enqueues a step and returns at once (a
 LaunchedStep: the sampled ids stay on the device, their copy to the host is enqueued);
 `collect` waits for that copy. The engine launches step N+1 before it collects step N, so a
@@ -55,8 +59,10 @@ from tessellm.engine.step_inputs import (LaunchedStep, StepInputs, StepPadding, 
                                          blocks_written_in_full, build_step_inputs)
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
+from tessellm.constraints.step_masks import PendingMasks, StepMasks
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
-                                     SelectGreedyKernel, SelectSampleKernel, TokenLogprobs)
+                                     SelectBitmaskKernel, SelectGreedyKernel, SelectSampleKernel,
+                                     TokenLogprobs, TokenMasks)
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.parallel.group import ControlChannel
@@ -65,6 +71,7 @@ from tessellm.request import Request
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import SchedulerOutput
 
+TOKEN_BITMASK = "token_bitmask"   # staging buffer of the constrained rows' masks
 # what the sampler gets for a padded logits row (a static shape or a decode graph's padding):
 # greedy, so it costs one argmax and changes nothing; its token is dropped
 PADDING_ROW = SampleRequest(SamplingParams(temperature=0.0), 0, (), ())
@@ -79,7 +86,9 @@ class ModelRunner:
                  select_sample_kernel: SelectSampleKernel | None = None,
                  select_greedy_kernel: SelectGreedyKernel | None = None,
                  static_shapes: StaticShapes | None = None,
-                 followers: ControlChannel | None = None, overlap: bool = False) -> None:
+                 followers: ControlChannel | None = None, overlap: bool = False,
+                 token_masks: StepMasks | None = None,
+                 select_bitmask_kernel: SelectBitmaskKernel | None = None) -> None:
         self.device = device
         self.followers = followers   # tensor parallelism: the leader's channel to the others
         self.plan = plan
@@ -92,7 +101,8 @@ class ModelRunner:
         self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
         self.sampler = Sampler(select_sample_kernel,
                                self._stage_small if self._stages else None,
-                               select_greedy_kernel)
+                               select_greedy_kernel, select_bitmask_kernel)
+        self.token_masks = token_masks   # None: no request of this engine is constrained
         self.stage_times = StageTimes()
         self.stream = device.new_stream()
         self.swapper = KVSwapper(device, kv_caches, host_kv_caches or [])
@@ -108,6 +118,8 @@ class ModelRunner:
         self._max_fresh = T // block_size + 2 * B + 1
         shapes.update({SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32),
                        "fresh_blocks": ((self._max_fresh,), torch.int64)})
+        if token_masks is not None and self._stages:
+            shapes[TOKEN_BITMASK] = ((B * token_masks.words,), torch.int32)
         self.overlap = overlap
         self._host_sets = [{k: host.allocate(shape, dt) for k, (shape, dt) in shapes.items()}
                            for _ in range(2 if overlap else 1)]
@@ -311,15 +323,22 @@ class ModelRunner:
         logits = self._plan_for(pad).run(feeds)   # asynchronous device: enqueued only
         return logits, uploaded
 
-    def _sample(self, logits: torch.Tensor, sampled: list[Request]
-                ) -> tuple[torch.Tensor, torch.Tensor, Event, list[TokenLogprobs | None]]:
+    def _sample(self, logits: torch.Tensor, sampled: list[Request],
+                 pending_masks: PendingMasks | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, Event, list[TokenLogprobs | None]]:
         """Sample the real rows (padded logits rows go through as greedy dummies) and enqueue
         the ids' copy to the host; returns (device ids, host ids, their event, logprobs).
         A row's output position counts its pending tokens (the seed position)."""
         rows = [SampleRequest(r.params, len(r.output_token_ids) + r.num_pending,
                               r.prompt_token_ids, r.output_token_ids) for r in sampled]
         rows += [PADDING_ROW] * (logits.shape[0] - len(rows))
-        result = self.sampler(logits, rows)
+        masks = None
+        if pending_masks is not None:
+            host = pending_masks.wait()
+            bitmask = (self._stage_small(TOKEN_BITMASK, host) if self._stages
+                       else host.to(logits.device))
+            masks = TokenMasks(pending_masks.rows, bitmask)
+        result = self.sampler(logits, rows, masks)
         host = self.host_sampled[:logits.shape[0]]
         return (result.token_ids, host, self.stream.copy(host, result.token_ids),
                 result.logprobs[:len(sampled)])
@@ -369,6 +388,7 @@ class ModelRunner:
             self.host_bufs, self.host_sampled = self._host_sets[k], self._sampled_sets[k]
         swapped_in = self.apply_block_ops(out, kv)
         s = build_step_inputs(out, kv)
+        masks = self.token_masks.start(s.sampled) if self.token_masks is not None else None
         t1 = time.perf_counter()
         logits, uploaded = self._forward(
             s, [sched.request.request_id for sched in out.scheduled], self._padding(s),
@@ -378,7 +398,7 @@ class ModelRunner:
         self.stage_times.add("execute", t2 - t1)
         if not s.sampled:  # no readback: collect waits for the upload (staging free again)
             return LaunchedStep(out, [], [], None, None, uploaded, {})
-        token_ids, host, readback, logprobs = self._sample(logits, s.sampled)
+        token_ids, host, readback, logprobs = self._sample(logits, s.sampled, masks)
         self.stage_times.add("sample", time.perf_counter() - t2)
         return LaunchedStep(out, s.sampled, logprobs, token_ids, host, readback,
                             {r.request_id: i for i, r in enumerate(s.sampled)})

@@ -37,6 +37,10 @@ class RequestLimits:
         if bad:
             raise InvalidRequestError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}",
                                       "stop_token_ids")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids out of range [0, {vocab}): "
+                                      f"{bad[:5]}", "logit_bias")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "

@@ -6,10 +6,16 @@ Pipeline for a row (the order is part of the contract):
              repetition: tokens seen in prompt + generated: x / r if x > 0 else x * r
              -> presence / frequency: x -= presence * (count > 0) + frequency * count,
                 counts over the generated tokens only
+    logit bias (only rows that set one): x[t] += bias[t] (float32, out of place)
+    token mask (only the rows of `masks`: constrained requests): the device op
+             `apply_token_bitmask` sets -inf where the row's bitmask forbids a token, on a
+             float32 copy of those rows (select_bitmask(rows, vocab) gives the kernel, else
+             the reference)
     logprobs (only rows with params.logprobs set): log_softmax of the float32 logits AFTER the
-             penalties and BEFORE temperature and the filters, so they describe the model's
-             (penalised) distribution, not the truncated one the token was drawn from; masked
-             tokens (-inf logits) report -inf. `top` holds min(k, vocab) entries, descending.
+             penalties, bias and mask and BEFORE temperature and the filters, so they describe
+             the model's (penalised, constrained) distribution, not the truncated one the token
+             was drawn from; masked tokens (-inf logits) report -inf. `top` holds min(k, vocab)
+             entries, descending.
     greedy (temperature == 0 or top_k == 1):  argmax(x); ties go to the lowest index
              (torch.argmax), so top_k == 1 is exactly greedy even when the top value is tied.
              The device op `greedy_tokens` (its reference: torch.max(x, -1).indices, a NaN
@@ -29,10 +35,11 @@ Pipeline for a row (the order is part of the contract):
              whichever kernel runs.
 
 Invariants:
-- If no row has a penalty or wants logprobs and every row is greedy, the sampler runs one argmax
-  and nothing else: no per-row tensors (the benchmark hot path).
-- Penalties and logprobs are computed only for the rows that ask for them; the other rows'
-  logits are used unchanged. The caller's logits tensor is never written to.
+- If no row has a penalty, a bias or a mask or wants logprobs and every row is greedy, the
+  sampler runs one argmax and nothing else: no per-row tensors (the benchmark hot path).
+- Penalties, biases, masks and logprobs are computed only for the rows that ask for them; the
+  other rows' logits are used unchanged (as float32 where some row needed a copy: the same
+  values, so the same tokens). The caller's logits tensor is never written to.
 - Filters compose by masking logits to -inf; a token masked by one filter stays masked, so the
   sampled token always survives every filter of its row.
 - Filters use thresholds on values, not positions in a sort: tokens tied at a cut-off are kept
@@ -75,6 +82,9 @@ StageToDevice = Callable[[str, torch.Tensor], torch.Tensor]
 SAMPLE_ROWS, SAMPLE_TABLE = "sample_rows", "sample_table"
 SAMPLE_OP = "sample_tokens"
 GREEDY_OP = "greedy_tokens"
+BITMASK_OP = "apply_token_bitmask"
+# (rows, vocab) -> a function with reference.apply_token_bitmask's signature (float32 logits)
+SelectBitmaskKernel = Callable[[int, int], Callable[[torch.Tensor, torch.Tensor], None]]
 # (rows, vocab, logits dtype) -> a function with reference.greedy_tokens' signature
 SelectGreedyKernel = Callable[[int, int, torch.dtype], Callable[[torch.Tensor], torch.Tensor]]
 
@@ -89,6 +99,21 @@ def greedy_kernel_query(bucket: int, vocab: int, dtype: torch.dtype) -> KernelQu
     """The kernel query of the greedy op for a token bucket of rows of `dtype` logits (the
     model's dtype; float32 once penalties have been applied)."""
     return KernelQuery(GREEDY_OP, dtype, bucket, (("vocab", vocab),))
+
+
+def bitmask_kernel_query(bucket: int, vocab: int) -> KernelQuery:
+    """The kernel query of the token-mask op for a token bucket of constrained rows (float32:
+    the sampler masks a float32 copy)."""
+    return KernelQuery(BITMASK_OP, torch.float32, bucket, (("vocab", vocab),))
+
+
+@dataclass(slots=True)
+class TokenMasks:
+    """The token bitmask of some rows of a step: rows[i] is masked by bitmask[i]
+    (int32 [len(rows), ceil(vocab / 32)] on the logits' device)."""
+
+    rows: list[int]
+    bitmask: torch.Tensor
 
 
 def row_seed(seed: int, position: int) -> int:
@@ -141,11 +166,14 @@ class Sampler:
 
     def __init__(self, select_kernel: SelectSampleKernel | None = None,
                  stage: StageToDevice | None = None,
-                 select_greedy: SelectGreedyKernel | None = None) -> None:
+                 select_greedy: SelectGreedyKernel | None = None,
+                 select_bitmask: SelectBitmaskKernel | None = None) -> None:
         self.select_kernel = select_kernel
         self.stage = stage   # None: host values go up with torch.tensor(..., device=...)
         self.select_greedy = select_greedy   # None: reference.greedy_tokens
+        self.select_bitmask = select_bitmask   # None: reference.apply_token_bitmask
         self._greedy_fns: dict[tuple[int, int, torch.dtype], Callable] = {}
+        self._bitmask_fns: dict[tuple[int, int], Callable] = {}
 
     def _greedy(self, x: torch.Tensor) -> torch.Tensor:
         """The greedy token of each row of x, by the device's kernel where one was given."""
@@ -163,8 +191,23 @@ class Sampler:
             return torch.tensor(values, dtype=dtype, device=device)
         return self.stage(name, torch.tensor(values, dtype=dtype))
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> SamplerOutput:
-        """Sample one token per row of `logits` ([batch, vocab], any float dtype)."""
+    def _mask_rows(self, x: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+        """x as float32 with the rows of `masks` masked (out of place)."""
+        sub, index = _select(x, masks.rows)
+        sub = sub.to(torch.float32, copy=True)
+        key = (sub.shape[0], sub.shape[1])
+        fn = self._bitmask_fns.get(key)
+        if fn is None:
+            fn = self._bitmask_fns[key] = (reference.apply_token_bitmask
+                                           if self.select_bitmask is None
+                                           else self.select_bitmask(*key))
+        fn(sub, masks.bitmask)
+        return sub if index is None else x.float().index_copy(0, index, sub)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest],
+                 masks: TokenMasks | None = None) -> SamplerOutput:
+        """Sample one token per row of `logits` ([batch, vocab], any float dtype); `masks`:
+        the token bitmasks of the constrained rows."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch = logits.shape[0]
@@ -172,6 +215,7 @@ class Sampler:
             raise ValueError(f"batch of {batch} logits rows needs as many rows, got {len(rows)}")
         random_rows: list[int] = []
         penalized: list[int] = []
+        biased: list[int] = []
         wants_logprobs: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
@@ -179,12 +223,18 @@ class Sampler:
                 random_rows.append(i)
             if p.has_penalties:
                 penalized.append(i)
+            if p.logit_bias:
+                biased.append(i)
             if p.logprobs is not None:
                 wants_logprobs.append(i)
-        if not (random_rows or penalized or wants_logprobs):
+        if not (random_rows or penalized or biased or wants_logprobs or masks):
             return SamplerOutput(self._greedy(logits), [None] * batch)
 
         x = _penalize_rows(logits, rows, penalized) if penalized else logits
+        if biased:
+            x = _bias_rows(x, rows, biased)
+        if masks is not None and masks.rows:
+            x = self._mask_rows(x, masks)
         if len(random_rows) == batch:
             token_ids = self._sample_random(x, [r.params for r in rows],
                                             [r.output_position for r in rows])
@@ -227,6 +277,23 @@ def _penalize_rows(
     sub, index = _select(x, which)
     penalized = _apply_penalties(sub, [rows[i] for i in which])
     return penalized if index is None else x.index_copy(0, index, penalized)
+
+
+def _bias_rows(x: torch.Tensor, rows: Sequence[SampleRequest], which: list[int]
+               ) -> torch.Tensor:
+    """float32 copy of x with each row of `which` plus its logit bias (ids checked before)."""
+    row_ids, token_ids, values = [], [], []
+    for i in which:
+        for token, bias in rows[i].params.logit_bias.items():   # type: ignore[union-attr]
+            row_ids.append(i)
+            token_ids.append(token)
+            values.append(bias)
+    out = x.to(torch.float32, copy=True)
+    index = (torch.tensor(row_ids, dtype=torch.long, device=x.device),
+             torch.tensor(token_ids, dtype=torch.long, device=x.device))
+    out.index_put_(index, torch.tensor(values, dtype=torch.float32, device=x.device),
+                   accumulate=True)
+    return out
 
 
 def _apply_penalties(x: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:

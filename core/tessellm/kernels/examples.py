@@ -133,6 +133,32 @@ def _greedy_example(T: int, vocab: int, dt: torch.dtype, dev: str,
     return [x.to(dev)]
 
 
+def bitmask_example(T: int, vocab: int, dt: torch.dtype, dev: str,
+                    gen: torch.Generator) -> list[Any]:
+    """[logits, bitmask] where the layout matters: row 0 allows every token (all-ones words),
+    row 1 none, row 2 only the first and the last token, later rows random bits (words of
+    -1 and 0 mixed in); the last word's bits past `vocab` are set (they must be ignored)."""
+    words = (vocab + 31) // 32
+    x = torch.randn((T, vocab), generator=gen).to(dt)
+    bits = torch.randint(-2 ** 31, 2 ** 31, (T, words), generator=gen, dtype=torch.int64)
+    mask = bits.to(torch.int32)
+    if T > 3:
+        mask[3:, ::3] = -1
+        mask[3:, 1::5] = 0
+    mask[0] = -1
+    if T > 1:
+        mask[1] = 0
+    if T > 2:
+        mask[2] = 0
+        mask[2, 0] = 1
+        last = vocab - 1
+        mask[2, last // 32] |= torch.tensor(1 << (last % 32), dtype=torch.int64).to(
+            torch.int32)
+    if vocab % 32:   # bits past the vocabulary, set in every row
+        mask[:, -1] |= torch.tensor(-(1 << (vocab % 32)), dtype=torch.int32)
+    return [x.to(dev), mask.to(dev)]
+
+
 def make_example(query: KernelQuery, dev: str) -> list[Any]:
     gen = torch.Generator().manual_seed(1234)
     T, dt, op = query.num_tokens, query.dtype, query.op
@@ -200,8 +226,10 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         return _sample_example(T, d["vocab"], dev, gen)
     if op == "greedy_tokens":
         return _greedy_example(T, d["vocab"], dt, dev, gen)
+    if op == "apply_token_bitmask":
+        return bitmask_example(T, d["vocab"], dt, dev, gen)
     raise KernelError(f"no example inputs defined for op {op!r}")
 
 
 # Ops that write into an argument instead of returning a result: op -> index of that argument.
-IN_PLACE_OUTPUT_ARG = {"write_kv_cache": 2}
+IN_PLACE_OUTPUT_ARG = {"write_kv_cache": 2, "apply_token_bitmask": 0}

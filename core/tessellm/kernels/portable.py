@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.reference import apply_token_bitmask  # noqa: F401  (portable as it is:
+#   no host reads, a boolean mask of the logits' own shape)
 from tessellm.quant.formats import PackedWeight, dequantize
 
 CHUNK_BYTES = 64 << 20

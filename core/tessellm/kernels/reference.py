@@ -177,6 +177,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.max(logits, dim=-1).indices
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: every token a row's bitmask forbids gets -inf. logits [n, vocab] (any float
+    dtype); bitmask [n, ceil(vocab / 32)] int32, token t allowed iff bit t % 32 (least
+    significant first) of word t // 32 is set; the bits past `vocab` are ignored. A row of
+    all-ones words (-1) leaves its logits as they are. (llguidance's and xgrammar's layout.)"""
+    n, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor, *,
                   use_top_k: bool = True, use_top_p: bool = True, use_min_p: bool = True,
@@ -280,4 +292,5 @@ REFERENCE_OPS = {
     "attention_decode": paged_attention,
     "sample_tokens": sample_tokens,
     "greedy_tokens": greedy_tokens,
+    "apply_token_bitmask": apply_token_bitmask,
 }

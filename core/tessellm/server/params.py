@@ -2,6 +2,7 @@
 the server's configuration or the prompt's length (the schema alone cannot check them)."""
 from __future__ import annotations
 
+from tessellm.constraints.structured_outputs import StructuredOutputs
 from tessellm.errors import InvalidRequestError
 from tessellm.sampling_params import SamplingParams
 from tessellm.server.errors import APIError, bad_request
@@ -45,9 +46,10 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    choice: int) -> SamplingParams:
+                    choice: int, constraint: StructuredOutputs | None = None) -> SamplingParams:
     """Params of choice `choice` (0..n-1): a given seed becomes seed + choice, so the n
-    choices differ yet the whole request is reproducible."""
+    choices differ yet the whole request is reproducible. `constraint`: the request's
+    structured output (server.structured), already checked."""
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_k=req.top_k,
@@ -55,6 +57,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             seed=None if req.seed is None else req.seed + choice,
             stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty, logprobs=logprobs)
+            repetition_penalty=req.repetition_penalty, logprobs=logprobs,
+            logit_bias=dict(req.logit_bias) if req.logit_bias else None,
+            structured_outputs=constraint)
     except InvalidRequestError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=e.param) from None

@@ -5,12 +5,13 @@ unknown fields are a 400 naming the field, as OpenAI answers "Unrecognized reque
 Every number is range-checked here: floats must be finite (1e999 parses as infinity: a 400),
 integers that reach the engine must fit in 64 bits.
 Fields OpenAI has but this server does not implement are declared so that their default is
-accepted and any other value is a clear 400 (`echo`, `suffix`, `best_of`, `logit_bias`).
+accepted and any other value is a clear 400 (`suffix`, `best_of`).
 Responses are built as plain dicts by the handlers (completions.py, chat.py): they are
 written once per token per stream, and a pydantic round trip there buys nothing.
 
 Extensions beyond OpenAI (as vLLM names them): top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, priority.
+stop_token_ids, priority, structured_outputs and the older guided_json / guided_regex /
+guided_choice / guided_grammar (structured_protocol.py); tools: tool_protocol.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tessellm.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from tessellm.sampling_params import MAX_LOGPROBS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
+from tessellm.server.structured_protocol import (GuidedFields, ResponseFormat,
+                                                 StructuredOutputsRequest)
+from tessellm.server.tool_protocol import Tool, ToolCallMessage, ToolChoice
 
 _INT64 = 2 ** 63
 Int64 = Annotated[int, Field(ge=-_INT64, lt=_INT64)]
@@ -36,7 +40,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict):
+class SamplingFields(GuidedFields, _Strict):
     """The fields both endpoints share."""
 
     model: str | None = None
@@ -57,7 +61,10 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     priority: Int64 = 0
     user: str | None = None  # OpenAI's end-user id; accepted, not used
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | \
+        None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("stop")
     @classmethod
@@ -71,9 +78,10 @@ class SamplingFields(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported by this server")
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.isdigit() or len(key) > 19:
+                raise ValueError(f"logit_bias keys must be token ids (digits), got {key!r}")
         return v
 
     @property
@@ -110,8 +118,6 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
@@ -136,6 +142,16 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None   # assistant turns
+    tool_call_id: str | None = None                   # tool turns
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -164,6 +180,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=256)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -180,11 +199,15 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         out = []
         for m in self.messages:
-            d = {"role": m.role, "content": m.text()}
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.name is not None:
                 d["name"] = m.name
+            if m.tool_calls is not None:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
             out.append(d)
         return out

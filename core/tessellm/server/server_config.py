@@ -54,6 +54,9 @@ class ServerConfig(BaseModel):
                                        "yet, or between requests) is closed after this long")
     max_connections: int = Field(1000, ge=1, description="open connections beyond this are "
                                  "answered 503 and closed")
+    tool_call_parser: str | None = Field(None, description="tool-call format to parse and force "
+                                         "(hermes, llama3_json, mistral, or a plugin's); "
+                                         "default: the one the chat template implies")
 
     @model_validator(mode="after")
     def _liveness_order(self) -> ServerConfig:

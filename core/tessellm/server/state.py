@@ -2,7 +2,10 @@
 
 Tokenization and chat-template rendering run on one dedicated worker thread, never on the
 event loop (one thread: a Hugging Face fast tokenizer must not be mutated concurrently, and
-one worker keeps a burst of long prompts from taking every core from the engine).
+one worker keeps a burst of long prompts from taking every core from the engine). So do the
+checks of structured-output constraints (the validate-only GrammarCompiler: an LRU, so one
+schema is compiled once however many requests carry it) and, once, the tool setup: whether
+the chat template renders tools, and the tool-call format to parse (tools.formats).
 """
 from __future__ import annotations
 
@@ -15,8 +18,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from tessellm.constraints.compiler import GrammarCompiler
+from tessellm.constraints.structured_outputs import StructuredOutputs
 from tessellm.engine.async_engine import AsyncEngine, RequestStream
-from tessellm.engine.chat_template import encode_chat
+from tessellm.engine.chat_template import encode_chat, render_chat
+from tessellm.errors import InvalidRequestError
 from tessellm.models.source import ModelSource
 from tessellm.sampling_params import SamplingParams
 from tessellm.server.engine_history import EngineHistory
@@ -24,6 +30,8 @@ from tessellm.server.errors import APIError
 from tessellm.server.logprobs import TokenTexts
 from tessellm.server.metrics import ServerMetrics
 from tessellm.server.server_config import ServerConfig
+from tessellm.tools.formats import choose_format
+from tessellm.tools.tool_prompt import template_renders_tools
 
 NO_CHAT_TEMPLATE_HINT = ("start the server with --chat-template FILE (a Jinja template) or "
                          "use /v1/completions")
@@ -53,6 +61,8 @@ class ServerState:
         max_workers=1, thread_name_prefix="tessellm-tokenize"))
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    grammars: GrammarCompiler = field(default_factory=GrammarCompiler)  # tokenizer thread only
+    _tool_setup: tuple[bool, Any] | None = None
     history: EngineHistory = field(init=False)  # the dashboard's per-second samples
 
     def __post_init__(self) -> None:
@@ -79,12 +89,40 @@ class ServerState:
         """Prompt text -> token ids, exactly as the offline LLM.encode does."""
         return list(await self._off_loop(self.tokenizer.encode, text))
 
-    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids -> text, as the prompt reads (special tokens kept)."""
+        return await self._off_loop(self.tokenizer.decode, token_ids)
+
+    async def encode_chat(self, messages: list[dict[str, Any]],
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Messages -> the chat template's text (with the generation prompt) -> token ids,
         exactly as the offline LLM.chat does (no special tokens added on top)."""
         render = partial(encode_chat, self.tokenizer, messages, self.chat_template,
-                         hint=NO_CHAT_TEMPLATE_HINT)
+                         hint=NO_CHAT_TEMPLATE_HINT, tools=tools)
         return (await self._off_loop(render))[1]
+
+    async def check_constraint(self, spec: StructuredOutputs, param: str) -> None:
+        """A 400 naming `param` if the constraint does not compile (cached per spec)."""
+        try:
+            await self._off_loop(self.grammars.compile, spec)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=param) from None
+
+    def _setup_tools(self) -> tuple[bool, Any]:
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+            return render_chat(self.tokenizer, messages, self.chat_template, tools=tools)
+        renders = self.chat_template is not None and template_renders_tools(render)
+        from tessellm.plugins import PluginManager
+        extra = PluginManager().load().tool_call_formats()
+        fmt = choose_format(self.chat_template if renders else None,
+                            self.config.tool_call_parser, extra)
+        return renders, fmt
+
+    async def tool_setup(self) -> tuple[bool, Any]:
+        """(whether the chat template renders tools, the tool-call format), found once."""
+        if self._tool_setup is None:
+            self._tool_setup = await self._off_loop(self._setup_tools)
+        return self._tool_setup
 
     def submit(self, request_id: str, groups: Sequence[tuple[list[int], SamplingParams, int]],
                stop: list[str], priority: int = 0) -> list[RequestStream]:

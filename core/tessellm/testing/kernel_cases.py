@@ -312,6 +312,17 @@ def _greedy_cases() -> list[KernelCase]:
     return out
 
 
+def _bitmask_cases() -> list[KernelCase]:
+    out = []
+    for dt in (torch.float32, torch.bfloat16):
+        # vocabularies that are and are not a multiple of 32 (bits past the vocabulary set)
+        for T, vocab in ((1, 64), (3, 1000), (5, 5003), (9, 32000), (2, 49153)):
+            query = KernelQuery("apply_token_bitmask", dt, T, (("vocab", vocab),))
+            out.append(KernelCase(f"apply_token_bitmask {_short(dt)} T={T} vocab={vocab}", query,
+                                  lambda g, q=query: CaseInputs(make_example(q, "cpu"))))
+    return out
+
+
 _ROW_OPS = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "layer_norm", "add", "mul",
             "silu", "gelu_tanh", "silu_and_mul")
 
@@ -332,6 +343,8 @@ def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
         return _sample_cases()
     if op == "greedy_tokens":
         return _greedy_cases()
+    if op == "apply_token_bitmask":
+        return _bitmask_cases()
     raise KernelError(f"the conformance kit has no cases for op {op!r}")
 
 

@@ -87,7 +87,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
     from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeGreedy, NativeRmsNorm,
-                                               NativeRotary, NativeSiluAndMul, NativeWriteKV)
+                                               NativeRotary, NativeSiluAndMul, NativeTokenBitmask,
+                                               NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
              ("attention_prefill", "prefill_native_paged", NativePrefill,
               "C, in-place paged reads, each query token causal over its sequence"),
@@ -105,7 +106,9 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
              ("silu_and_mul", "silu_and_mul_native", NativeSiluAndMul,
               "C, one pass per row"),
              ("greedy_tokens", "greedy_native", NativeGreedy,
-              "C, AVX-512 max then first index, rows over threads"))
+              "C, AVX-512 max then first index, rows over threads"),
+             ("apply_token_bitmask", "token_bitmask_native", NativeTokenBitmask,
+              "C, all-ones words skipped, AVX-512 masked stores of -inf"))
     return _built_kernels(specs, device, not_offered)
 
 
@@ -174,4 +177,6 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
         k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
         k("greedy_tokens", "greedy_torch_max", reference.greedy_tokens, "torch.max(...).indices"),
+        k("apply_token_bitmask", "token_bitmask_torch", reference.apply_token_bitmask,
+          "bits unpacked by shifts, masked_fill_"),
     ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered)

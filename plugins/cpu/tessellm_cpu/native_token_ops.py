@@ -1,6 +1,6 @@
 """Per-token small ops as C kernels (native/token_ops.c), called through ctypes: rotary
 embedding, the KV-cache write, RMSNorm (plain and fused with the residual add), silu_and_mul
-and the sampler's greedy argmax. For a
+the sampler's greedy argmax and the token bitmask of constrained rows. For a
 decode step each is a few microseconds of arithmetic that torch spreads over several ops of
 tens of microseconds each (SmolLM2, one stream, per layer: rotary 51 us, KV write 35 us,
 fused add + norm 20 us). float32 and bfloat16; the C side checks positions and slots first.
@@ -206,3 +206,28 @@ class NativeGreedy(_Native):
             _check(fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr()),
                    "greedy")
         return out
+
+
+class NativeTokenBitmask(_Native):
+    """apply_token_bitmask(logits, bitmask): in place, -inf where the row's bit is 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fns = self._per_dtype("apply_token_bitmask", [_ptr, _i64, _ptr, _i64, _i64, _i64])
+
+    def __call__(self, logits, bitmask):
+        fn = self._fns.get(logits.dtype)
+        if fn is None or logits.dim() != 2 or logits.stride(1) != 1:
+            raise TypeError(f"native token bitmask needs float32/bfloat16 logits [rows, vocab] "
+                            f"with contiguous rows, got {logits.dtype} of shape "
+                            f"{tuple(logits.shape)}")
+        rows, vocab = logits.shape
+        words = (vocab + 31) // 32
+        if bitmask.dtype is not torch.int32 or tuple(bitmask.shape) != (rows, words) \
+                or bitmask.stride(1) != 1:
+            raise ValueError(f"native token bitmask: the bitmask must be int32 [{rows}, {words}] "
+                             f"with contiguous rows, got {bitmask.dtype} "
+                             f"{tuple(bitmask.shape)}")
+        if rows:
+            _check(fn(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+                      rows, vocab), "token bitmask")

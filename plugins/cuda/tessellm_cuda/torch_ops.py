@@ -34,4 +34,6 @@ TORCH_ALTERNATIVES = {
                         "index_put; padding slots (-1) left unchanged")],
     "sample_tokens": [("sample_tokens_torch", reference.sample_tokens,
                        "the torch reference (sort, cumsum, softmax, argmax)")],
+    "apply_token_bitmask": [("token_bitmask_torch", portable.apply_token_bitmask,
+                             "bits unpacked by shifts, masked_fill_")],
 }

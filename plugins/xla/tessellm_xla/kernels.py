@@ -31,4 +31,6 @@ def xla_kernels(device: str) -> list[Kernel]:
           "index_put; padding slots write back their own value"),
         k("attention_prefill", "attention_static_xla", portable.paged_attention_static, attention),
         k("attention_decode", "attention_static_xla", portable.paged_attention_static, attention),
+        k("apply_token_bitmask", "token_bitmask_xla", portable.apply_token_bitmask,
+          "bits unpacked by shifts, masked_fill_ (static shapes)"),
     ]

@@ -19,6 +19,11 @@
  *   (torch.argmax's order; -0.0 and 0.0 are equal). One pass for the maximum, one for its
  *   first index (the row is in cache by then).
  *
+ * apply_token_bitmask_*: in place, every token whose bit is 0 in its row's bitmask [T, W]
+ *   (int32 words, W = ceil(V / 32), bit t % 32 of word t // 32) gets -inf; bits past V are
+ *   ignored. A word of all ones (the common case) is skipped without touching its 32 logits;
+ *   otherwise AVX-512 stores -inf under the two 16-bit halves of the inverted word.
+ *
  * Every index is checked before use; the functions return 0, or a nonzero code naming the
  * problem (no write happens then). bf16 is stored as uint16 (round to nearest even).
  */
@@ -327,3 +332,45 @@ int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t V, int64_t *out) { 
 }
 GREEDY(greedy_f32, float, greedy_row_f32)
 GREEDY(greedy_bf16, uint16_t, greedy_row_bf16)
+
+/* apply_token_bitmask_*: see the header. */
+#ifdef __AVX512F__
+static inline void bitmask_word_f32(float *x, uint32_t forbid, int64_t n) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __mmask16 lo = (__mmask16)(forbid & 0xffffu), hi = (__mmask16)(forbid >> 16);
+    if (n < 16) lo &= (__mmask16)((1u << n) - 1u);
+    if (n < 32) hi &= n <= 16 ? (__mmask16)0 : (__mmask16)((1u << (n - 16)) - 1u);
+    _mm512_mask_storeu_ps(x, lo, ninf);
+    _mm512_mask_storeu_ps(x + 16, hi, ninf);
+}
+static inline void bitmask_word_bf16(uint16_t *x, uint32_t forbid, int64_t n) {
+    if (n < 32) forbid &= (uint32_t)((1ull << n) - 1ull);
+    _mm512_mask_storeu_epi16(x, (__mmask32)forbid, _mm512_set1_epi16((short)0xff80));
+}
+#else
+static inline void bitmask_word_f32(float *x, uint32_t forbid, int64_t n) {
+    for (int64_t b = 0; b < n && b < 32; b++) if (forbid >> b & 1u) x[b] = -INFINITY;
+}
+static inline void bitmask_word_bf16(uint16_t *x, uint32_t forbid, int64_t n) {
+    for (int64_t b = 0; b < n && b < 32; b++) if (forbid >> b & 1u) x[b] = 0xff80u;
+}
+#endif
+
+#define APPLY_BITMASK(NAME, TYPE, WORD)                                                      \
+int NAME(TYPE *x, int64_t x_stride, const int32_t *mask, int64_t mask_stride, int64_t T,    \
+         int64_t V) {                                                                        \
+    if (V <= 0) return RK_ERR_SHAPE;                                                         \
+    const int64_t W = (V + 31) / 32;                                                         \
+    _Pragma("omp parallel for schedule(static) if (T > 1 && T * V >= PARALLEL_MIN)")         \
+    for (int64_t t = 0; t < T; t++) {                                                        \
+        TYPE *row = x + t * x_stride;                                                        \
+        const int32_t *m = mask + t * mask_stride;                                           \
+        for (int64_t w = 0; w < W; w++) {                                                    \
+            const uint32_t forbid = ~(uint32_t)m[w];                                         \
+            if (forbid) WORD(row + 32 * w, forbid, V - 32 * w);                              \
+        }                                                                                    \
+    }                                                                                        \
+    return RK_OK;                                                                            \
+}
+APPLY_BITMASK(apply_token_bitmask_f32, float, bitmask_word_f32)
+APPLY_BITMASK(apply_token_bitmask_bf16, uint16_t, bitmask_word_bf16)
