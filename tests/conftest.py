@@ -80,3 +80,18 @@ def stories_dir() -> Path:
     if not STORIES.exists():
         pytest.fail(f"shared model missing: {STORIES}")
     return STORIES
+
+
+@pytest.fixture(scope="session")
+def qwen3_random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Qwen3 of small shape (tests/models/hf_fixtures.py) with the real Qwen3
+    tokenizer and chat template (which renders tools), saved as a model directory."""
+    import sys
+    models = str(Path(__file__).resolve().parent / "models")
+    if models not in sys.path:
+        sys.path.insert(0, models)
+    from hf_fixtures import CASES, build_hf_model, save_model_dir
+    case = CASES["qwen3"]
+    tokenizer = case.tokenizer()
+    return save_model_dir(build_hf_model(case, tokenizer), tokenizer,
+                          tmp_path_factory.mktemp("qwen3-random"))

@@ -1,12 +1,14 @@
 """A plugin written against tessellm.plugin_api alone (reached by the fake entry point
-"api_plugins:plugin"): a new architecture name served by the public Llama builder, and a
-graph pass that tags every linear node (no numerics change), so a test sees it ran."""
+"api_plugins:plugin"): a new architecture name served by the public Llama builder, a graph
+pass that tags every linear node (no numerics change), so a test sees it ran, and a tool-call
+format (Granite's `<|tool_call|>[...]`)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from tessellm.plugin_api import (
     Architecture,
+    CallFormat,
     GraphPass,
     ModelGraph,
     ModelSpec,
@@ -35,6 +37,8 @@ def tag_linears(mg: ModelGraph) -> ModelGraph:
 ARCHITECTURE = Architecture(llama_family_spec, adapt_llama_weights, build_tiny_stories,
                             adapt_llama_weights)
 PASS = GraphPass("tag_linears", tag_linears, ("linear",))
+GRANITE = CallFormat("granite", start="<|tool_call|>", array=True,
+                     template_markers=("<|tool_call|>",))
 
 
 @hookimpl
@@ -47,5 +51,11 @@ def tessellm_graph_passes() -> list[GraphPass]:
     return [PASS]
 
 
-plugin = SimpleNamespace(TESSELLM_API_VERSION="1.3", tessellm_architectures=tessellm_architectures,
-                         tessellm_graph_passes=tessellm_graph_passes)
+@hookimpl
+def tessellm_tool_call_formats() -> list[CallFormat]:
+    return [GRANITE]
+
+
+plugin = SimpleNamespace(TESSELLM_API_VERSION="1.5", tessellm_architectures=tessellm_architectures,
+                         tessellm_graph_passes=tessellm_graph_passes,
+                         tessellm_tool_call_formats=tessellm_tool_call_formats)

@@ -138,3 +138,10 @@ overrides_cpu_kernel = _plugin(tessellm_kernels=_returning([
     Kernel("add", "fast_add", torch.add, "fast"),
     Kernel("add", "own_add", torch.add, "fast"),
 ]))
+
+
+# tool-call formats: one named like a built-in (refused), one without the format methods
+takes_hermes = _plugin(tessellm_tool_call_formats=_returning([
+    SimpleNamespace(name="hermes", stream=print, parse_calls=print, matches_template=print,
+                    grammar=print)]))
+not_a_format = _plugin(tessellm_tool_call_formats=_returning([SimpleNamespace(name="half")]))

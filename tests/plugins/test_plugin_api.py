@@ -15,8 +15,8 @@ from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP
 from tessellm.plugins import PluginManager
 
 
-def test_every_exported_name_exists_and_the_version_is_1_3() -> None:
-    assert API_VERSION == "1.4" and api.API_VERSION == API_VERSION
+def test_every_exported_name_exists_and_the_version_is_1_5() -> None:
+    assert API_VERSION == "1.5" and api.API_VERSION == API_VERSION
     missing = [name for name in api.__all__ if not hasattr(api, name)]
     assert missing == []
     hook_needs = {"DevicePlugin", "Kernel", "KernelQuery", "Architecture", "ModelSpec",
@@ -64,14 +64,29 @@ def test_a_public_api_plugin_adds_an_architecture_and_a_pass(renamed_stories, st
     assert llm.encode(ref["prompt"]) + out.token_ids == ref["token_ids"]
 
 
+def test_a_public_api_plugin_adds_a_tool_call_format() -> None:
+    from tessellm.tools.formats import choose_format
+    formats = _manager("plugin").tool_call_formats()
+    assert [f.name for f in formats] == ["granite"]
+    fmt = choose_format("{{ '<|tool_call|>' }}", extra=formats)
+    assert fmt.name == "granite"
+    parsed = fmt.parse_calls('<|tool_call|>[{"name": "f", "arguments": {"a": 1}}]')
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("f", '{"a": 1}')]
+    assert choose_format(None, "granite", formats) is fmt
+    assert _manager().tool_call_formats() == []
+
+
 def test_tessellm_plugins_prints_refusals_and_declared_overrides(monkeypatch, capsys) -> None:
     from tessellm.cli.main import main
     pm = PluginManager([importlib.metadata.EntryPoint(name=n, value=f"broken_plugins:{n}",
                                                       group=ENTRY_POINT_GROUP)
-                        for n in ("overrides_llama", "takes_llama")])
+                        for n in ("overrides_llama", "takes_llama", "takes_hermes",
+                                  "not_a_format")])
     monkeypatch.setattr("tessellm.plugins.PluginManager", lambda: pm)
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "overrides built-in architecture LlamaForCausalLM (declared)" in out
     assert "'LlamaForCausalLM' is already provided by plugin 'overrides_llama'" in out
     assert "graph pass 'fuse_qkv' would override the one of 'tessellm' (refused)" in out
+    assert "tool-call format 'hermes' would override the one of 'tessellm' (refused)" in out
+    assert "lacks stream, parse_calls, matches_template, grammar (ignored)" in out
