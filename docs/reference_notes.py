@@ -153,7 +153,8 @@ COMPLETION_NOTES = MappingProxyType({
               "and sample)",
     "logprobs": "return the sampled tokens' log probabilities and this many most likely "
                 "tokens at each position (at most 20)",
-    "echo": "each choice's text starts with its prompt",
+    "echo": "each choice's text starts with its prompt; with logprobs, so do its logprobs "
+            "(the first prompt token's are null)",
     "suffix": "not supported: only an empty or absent value is accepted",
     "best_of": "accepted only when equal to n",
 })

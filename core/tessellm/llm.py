@@ -8,12 +8,13 @@ string finishes the request in the engine as soon as it appears (finish_reason "
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
-from tessellm.engine.chat_template import chat_template_of, encode_chat
+from tessellm.engine.chat_template import (chat_template_of, encode_chat, render_chat,
+                                           template_messages)
 from tessellm.engine.detokenizer import decode_continuation
 from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.llm_engine import LLMEngine
@@ -23,6 +24,7 @@ from tessellm.errors import InvalidRequestError
 from tessellm.plugins import PluginManager
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
+from tessellm.tools.tool_plan import ToolPlan, plan_tools, tool_setup
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -37,6 +39,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    tool_calls: list[Any] | None = None   # LLM.chat with tools: the calls parsed from text
 
 
 @dataclass(slots=True)
@@ -54,6 +57,8 @@ class RequestOutput:
     samples: list[RequestOutput] = field(default_factory=list)  # n > 1: all n, first one too
     prompt: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    prompt_logprobs: list[Any] | None = None
 
 
 class _StopStringWatch:
@@ -101,6 +106,7 @@ class LLM:
                  **engine_options: Any) -> None:
         self.config = EngineConfig(model=model, **engine_options)
         self.engine = LLMEngine(build_engine_parts(self.config, plugins))
+        self._plugins = plugins   # third-party tool-call formats come from them
         self.tokenizer = self.engine.parts.tokenizer
         if self.config.kernel_selection != "first":
             # every bucket chosen up front (cached on disk), as the server does: outputs do
@@ -152,21 +158,50 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+             priority: int | Sequence[int] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+             parallel_tool_calls: bool = True, tool_call_parser: str | None = None
+             ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"}
         dicts) or to each of a list of them; one RequestOutput per conversation, whose
         `prompt` is the rendered template. The template is `chat_template` (a Jinja string),
         else the tokenizer's; with neither, InvalidRequestError. The rendered text is
-        tokenized without special tokens: the template writes its own BOS."""
+        tokenized without special tokens: the template writes its own BOS.
+        `tools` (OpenAI function tools), `tool_choice` ("none", "auto", "required" or
+        {"type": "function", "function": {"name"}}), `parallel_tool_calls` and
+        `tool_call_parser` as the server takes them (tessellm.tools.tool_plan): each output's
+        `tool_calls` are the calls parsed from its text (finish_reason "tool_calls" when it
+        ended with complete calls); a required or named call is forced by a grammar."""
         conversations = _conversations(messages)
         per_prompt, priorities, ns = self._per_prompt(len(conversations), params, priority,
                                                       None)
         template = chat_template_of(self.tokenizer, chat_template)
-        rendered = [encode_chat(self.tokenizer, c, template,
-                                add_generation_prompt=add_generation_prompt)
-                    for c in conversations]
-        return self._run([ids for _, ids in rendered], [text for text, _ in rendered],
-                         per_prompt, priorities, ns)
+        plans = [self._tool_plan(c, template, tools, tool_choice, parallel_tool_calls,
+                                 tool_call_parser) for c in conversations]
+        rendered = [encode_chat(self.tokenizer, p.messages, template, tools=p.template_tools,
+                                add_generation_prompt=add_generation_prompt) for p in plans]
+        per_prompt = [_with_forced(params, plan) for params, plan in zip(per_prompt, plans)]
+        outputs = self._run([ids for _, ids in rendered], [text for text, _ in rendered],
+                            per_prompt, priorities, ns)
+        for out, plan in zip(outputs, plans):
+            if plan.format is not None:
+                for sample in out.outputs:
+                    _parse_tool_calls(sample, plan.format)
+        return outputs
+
+    def _tool_plan(self, conversation: Messages, template: str | None,
+                   tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any,
+                   parallel: bool, parser: str | None) -> ToolPlan:
+        messages = template_messages(conversation)
+        if not tools and tool_choice is None:
+            return ToolPlan(None, messages, None, None)
+
+        def render(msgs: list[dict[str, Any]], tool_defs: Any) -> str:
+            return render_chat(self.tokenizer, msgs, template, tools=tool_defs)
+        if self._plugins is None:
+            self._plugins = PluginManager().load()
+        renders, fmt = tool_setup(render, template, parser, self._plugins.tool_call_formats())
+        return plan_tools(messages, tools, tool_choice, parallel, renders, fmt, self.tokenizer)
 
     @staticmethod
     def _per_prompt(count: int, params: SamplingParams | Sequence[SamplingParams] | None,
@@ -230,10 +265,30 @@ class LLM:
             samples.append(RequestOutput(r.request_id, r.prompt_token_ids, out.token_ids, text,
                                          reason, prompt=prompt, outputs=[out]))
         first = samples[0]
+        head = group[0]
+        prompt_lps = None if head.params.prompt_logprobs is None else \
+            [None, *head.prompt_logprobs]
         return RequestOutput(first.request_id, first.prompt_token_ids, first.token_ids,
                              first.text, first.finish_reason,
                              samples if len(group) > 1 else [], prompt,
-                             [s.outputs[0] for s in samples])
+                             [s.outputs[0] for s in samples], prompt_lps)
+
+
+def _with_forced(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    if plan.forced is None:
+        return params
+    if params.structured_outputs is not None:
+        raise InvalidRequestError("a forced tool call (tool_choice) and structured_outputs "
+                                  "cannot both constrain one output", "tool_choice")
+    return replace(params, structured_outputs=plan.forced)
+
+
+def _parse_tool_calls(sample: CompletionOutput, fmt: Any) -> None:
+    parsed = fmt.parse_calls(sample.text)
+    if parsed.calls:
+        sample.tool_calls = list(parsed.calls)
+        if parsed.complete and sample.finish_reason == "stop":
+            sample.finish_reason = "tool_calls"
 
 
 def _conversations(messages: Messages | Sequence[Messages]) -> list[Messages]:

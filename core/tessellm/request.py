@@ -71,6 +71,7 @@ class Request:
     priority: int = 0  # scheduling class: lower runs first (0 most urgent); see tessellm.scheduler
     num_pending: int = 0  # sampled on the device, not read back yet (async scheduling)
     constraint: OutputConstraint | None = None  # structured output: its matcher (see above)
+    prompt_logprobs: list[Any] = field(default_factory=list)  # prompt tokens 1.., when asked
     error: str | None = None  # why it finished with ERROR, when not a failed step
 
     @property
@@ -92,6 +93,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Prompt logprobs asked and not all collected (entry i is for prompt token i + 1:
+        the logits at position i); such a request computes its prompt without cache hits."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -114,6 +114,9 @@ class SamplingParams:
 
     `logit_bias`: {token id: bias in [-100, 100]} added to the logits after the penalties
     (OpenAI's semantics; ids are checked against the vocabulary by the engine).
+    `prompt_logprobs`: None returns none; k returns, for every prompt token after the first,
+    its logprob given the tokens before it and the k most likely tokens there (vLLM's
+    semantics; the prompt is then computed in full, without prefix-cache hits).
     `structured_outputs`: a constraint on the output (tessellm.constraints: a JSON schema, any
     JSON object, a regex, a choice, a grammar); tokens that would break it get -inf after the
     logit bias, so greedy, sampling and logprobs all see only allowed tokens, and a complete
@@ -136,6 +139,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if _int64("max_tokens", self.max_tokens) < 1:
@@ -180,6 +184,13 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, int)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(f"prompt_logprobs must be None or an integer in "
+                                      f"[0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}",
+                                      "prompt_logprobs")
         self.logit_bias = _logit_bias(self.logit_bias)
         self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
 

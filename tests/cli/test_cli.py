@@ -110,3 +110,20 @@ def test_an_unwritable_cache_dir_for_the_demo_model_is_a_clear_error(capsys, tmp
         err = capsys.readouterr().err
         assert "tessellm: error: cannot write the demo model" in err
         assert "TESSELLM_CACHE_DIR" in err and "Traceback" not in err
+
+
+def test_generate_constrained_by_a_json_schema_or_a_regex(capsys, stories_dir, tmp_path):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    base = ["generate", "--model", str(stories_dir), "--prompt", "Once", "--dtype", "float32",
+            "--kernel-selection", "first"]
+    assert main([*base, "--json-schema", str(path), "--max-tokens", "300"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"name"}
+    assert main([*base, "--regex", "[a-z]{2,6} (cat|dog)", "--max-tokens", "20"]) == 0
+    import re
+    assert re.fullmatch("[a-z]{2,6} (cat|dog)", capsys.readouterr().out.rstrip("\n"))
+    assert main([*base, "--regex", "a", "--json-schema", str(path)]) == 2
+    assert main([*base, "--regex", "[a-"]) == 2
+    assert "invalid regex" in capsys.readouterr().err

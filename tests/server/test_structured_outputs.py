@@ -219,3 +219,25 @@ def test_the_server_serves_on(server, client):
     assert _chat(client, max_tokens=4, temperature=0).choices[0].finish_reason == "length"
     m = wait_idle(server, timeout=5)
     assert m["tessellm:num_requests_running"] == 0 and m["tessellm:kv_cache_usage_perc"] == 0
+
+
+def test_echo_with_logprobs_returns_the_prompts_logprobs(client):
+    model = client.models.list().data[0].id
+    prompt = "The weather in Paris is"
+    out = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    n_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 3 and "".join(lp.tokens) == out.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed_tokens, streamed_lps = [], []
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=3,
+                                           temperature=0, echo=True, logprobs=2, stream=True):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed_tokens += c.logprobs.tokens
+                streamed_lps += c.logprobs.token_logprobs
+    assert streamed_tokens == lp.tokens and streamed_lps == lp.token_logprobs

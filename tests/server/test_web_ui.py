@@ -316,6 +316,29 @@ def test_server_errors_are_shown_as_their_message(server, browser):
     assert by_id(browser, "prompt").get_property("value") == "Once upon a time"  # to retry
 
 
+def test_a_json_schema_in_the_settings_constrains_the_answer(server, browser):
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}},
+              "required": ["pet"], "additionalProperties": False}
+    open_page(browser, server)
+    open_settings(browser)
+    set_field(browser, "max-tokens", "200")
+    set_field(browser, "json-schema", "{not json")
+    send(browser, "Which pet?")
+    error = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.error"))[-1]
+    assert "not JSON" in text_of(error.find_element(By.CLASS_NAME, "text"))
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg.assistant") == []   # nothing sent
+    set_field(browser, "json-schema", json.dumps(schema))
+    by_id(browser, "send").click()
+    answer = wait(browser, lambda d: [m for m in d.find_elements(By.CSS_SELECTOR,
+                                                                 ".msg.assistant")
+                                      if m.get_attribute("data-finish")], timeout=30)[-1]
+    assert answer.get_attribute("data-finish") == "stop"
+    assert json.loads(text_of(answer.find_element(By.CLASS_NAME, "text")))["pet"] in ("cat",
+                                                                                      "dog")
+    set_field(browser, "json-schema", "")
+    assert js_errors(browser) == []
+
+
 # A stream the page believes came from /v1/chat/completions: it drives the page's real SSE
 # reading and rendering with text no tiny model would write.
 FAKE_STREAM = """

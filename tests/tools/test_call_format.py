@@ -112,7 +112,7 @@ TOOLS = [ToolSpec("get_weather", {"type": "object", "properties": {
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_the_forcing_grammar_takes_valid_calls_only(qwen3_tokenizer, fmt, parallel):
-    from tessellm.server.tool_choice import token_marker
+    from tessellm.tools.tool_plan import token_marker
     hf, lt = qwen3_tokenizer
     grammar = LLMatcher.grammar_from_lark(fmt.grammar(TOOLS, parallel, token_marker(hf)))
     assert LLMatcher.validate_grammar(grammar, lt) == ""

@@ -6,6 +6,14 @@ greedy, EOS ignored. Run 0 warms up (it triggers kernel profiling) on prompts of
 so no timed prompt is a prefix-cache hit; each timed run has its own prompts too. Timed from
 the first submit to the last token; model load excluded. Reports the median over the timed
 runs, each run's figure, and the prefix-cache hit tokens during the timed runs (0 expected).
+
+`--json-schema FILE` constrains every request (warm-up and timed) by that JSON schema
+(e.g. docs/examples/bench/w1_schema.json: ten fields, long enough that output_len tokens do
+not finish it, so every request still generates output_len tokens). The report then adds
+`constraint`: the token masks' compute time per step (on the worker thread, overlapped with
+the forward pass) and the part the sampler waited for (on the critical path), and the time to
+compile the schema cold and again from the cache (front end: validation; engine: a matcher).
+Compare with the same command without the option, in the same sitting.
 """
 from __future__ import annotations
 
@@ -25,21 +33,46 @@ def w1_prompts(n: int, input_len: int, seed: int, vocab_size: int) -> list[list[
     return np.random.default_rng(seed).integers(100, high, size=(n, input_len)).tolist()
 
 
+def _compile_times(llm: Any, spec: Any) -> dict[str, float]:
+    """Milliseconds to compile `spec` cold and from the cache, in the front end's
+    validate-only compiler and in the engine's (a matcher for one request)."""
+    from tessellm.constraints.compiler import GrammarCompiler
+    out = {}
+    front = GrammarCompiler()
+    for name, fn in (("front_end", front.compile), ("engine", llm.engine.grammars.matcher)):
+        for state in ("cold", "cached"):
+            t0 = time.perf_counter()
+            fn(spec)
+            out[f"{name}_{state}_ms"] = round(1e3 * (time.perf_counter() - t0), 3)
+    return out
+
+
 def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     from tessellm import LLM, SamplingParams
+    from tessellm.constraints.structured_outputs import StructuredOutputs
     options = {"max_num_seqs": max(a.num_prompts, 1), "load_progress": False, **options}
     t0 = time.perf_counter()
     llm = LLM(a.model, **options)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.parts.spec.vocab_size
+    schema_path = getattr(a, "json_schema", None)
+    spec = None
+    compile_ms: dict[str, float] = {}
+    if schema_path is not None:
+        with open(schema_path, encoding="utf-8") as f:
+            spec = StructuredOutputs(json=f.read())
+        compile_ms = _compile_times(llm, spec)
     profiling = getattr(a, "profile", False)
     bar = progress((a.warmup_output_len > 0) + max(1, a.runs) + profiling, "bench throughput")
     if a.warmup_output_len > 0:  # other prompts than the timed ones (seed + 1000)
         llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 1000, vocab),
                      SamplingParams(max_tokens=a.warmup_output_len, temperature=0.0,
-                                    ignore_eos=True))
+                                    ignore_eos=True, structured_outputs=spec))
         bar.update()
-    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True,
+                            structured_outputs=spec)
+    masks = llm.engine.runner.token_masks
+    masks0 = (masks.compute_seconds, masks.wait_seconds) if masks is not None else (0.0, 0.0)
     prefix = llm.engine.scheduler.prefix_cache_stats
     hits0, steps0 = prefix.hits, llm.engine.stats.num_steps
     group = llm.engine.parts.parallel
@@ -63,6 +96,17 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
                        "calls_per_step": round(calls / len(runs) / max(steps, 1), 1),
                        "seconds_per_run": round(seconds / len(runs), 3),
                        "ms_per_step": round(1e3 * seconds / len(runs) / max(steps, 1), 3)}
+    constraint = None
+    if spec is not None and masks is not None:
+        per_step = 1e3 / len(runs) / max(steps, 1)
+        constraint = {"json_schema": str(schema_path),
+                      "mask_compute_ms_per_step": round(
+                          (masks.compute_seconds - masks0[0]) * per_step, 3),
+                      "mask_wait_ms_per_step": round(
+                          (masks.wait_seconds - masks0[1]) * per_step, 3),
+                      "compile": compile_ms,
+                      "finished_within_output_len": sum(
+                          o.outputs[0].finish_reason == "stop" for o in outs)}
     profile = None
     if profiling:   # one more run, instrumented, not in the figures above
         from tessellm.engine.op_profile import OpProfile
@@ -86,5 +130,6 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         "prefix_hit_tokens": prefix.hits - hits0,
         "passes": parts.pass_report.applied,
         **({"collectives": collectives} if collectives is not None else {}),
+        **({"constraint": constraint} if constraint is not None else {}),
         **({"profile": profile} if profile is not None else {}),
     }

@@ -5,8 +5,9 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
-from tessellm.errors import TessellmError
+from tessellm.errors import ConfigError, TessellmError
 
 
 def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -54,6 +55,22 @@ def engine_options(a: argparse.Namespace) -> dict:
     return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
 
 
+def _structured_outputs(a: argparse.Namespace):
+    """--json-schema FILE or --regex as a StructuredOutputs (None without either)."""
+    from tessellm.constraints.structured_outputs import StructuredOutputs
+    if a.json_schema is not None and a.regex is not None:
+        raise ConfigError("give --json-schema or --regex, not both")
+    if a.regex is not None:
+        return StructuredOutputs(regex=a.regex)
+    if a.json_schema is None:
+        return None
+    try:
+        text = Path(a.json_schema).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read the JSON schema {a.json_schema!r}: {e}") from None
+    return StructuredOutputs(json=text)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from tessellm import LLM, SamplingParams
     from tessellm.models.demo import DEMO_NOTICE
@@ -61,7 +78,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if llm.is_demo:
         print(f"[tessellm] {DEMO_NOTICE}", file=sys.stderr)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
-                            top_p=a.top_p, min_p=a.min_p, seed=a.seed, ignore_eos=a.ignore_eos)
+                            top_p=a.top_p, min_p=a.min_p, seed=a.seed, ignore_eos=a.ignore_eos,
+                            structured_outputs=_structured_outputs(a))
     if a.chat:   # the prompt as the user's message, through the model's chat template
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}]
@@ -210,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send the prompt as a user message through the model's chat template "
                         "(as /v1/chat/completions does)")
     g.add_argument("--system", default=None, help="with --chat: a system message first")
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain the output to this JSON schema (a .json file)")
+    g.add_argument("--regex", default=None, help="constrain the output to match this regex")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plugins", help="list every plugin found, its devices and status")
@@ -286,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-output-len", type=int, default=4,
                    help="tokens per request of the warm-up run (on other prompts)")
     t.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    t.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every request by this JSON schema (structured outputs); "
+                        "e.g. docs/examples/bench/w1_schema.json")
     t.add_argument("--profile", action="store_true",
                    help="one more run, instrumented: time per op kind and per stage")
     t.add_argument("--plot", metavar="FILE.png", default=None,

@@ -78,7 +78,9 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 
 class TokenDelta(msgspec.Struct, array_like=True):
-    """One request's new tokens since its previous delta (and their logprobs, when asked)."""
+    """One request's new tokens since its previous delta (and their logprobs, when asked).
+    finish_reason "rejected": the core refused the request at admission (`error` says why;
+    a 400 to the client, where an "error" is a failed step)."""
 
     request_id: str
     token_ids: list[int]
@@ -88,6 +90,7 @@ class TokenDelta(msgspec.Struct, array_like=True):
     error: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprobs] = []   # once, all of them (prompt tokens 1..)
 
 
 class CoreStats(msgspec.Struct, array_like=True):

@@ -19,6 +19,7 @@ class DeltaTracker:
         self.sent: dict[str, tuple[Request, int]] = {}
         self.arrivals: dict[str, float] = {}
         self.step_errors: dict[str, str] = {}
+        self.prompt_logprobs_sent: set[str] = set()
 
     def track(self, request: Request, arrival: float | None = None) -> None:
         """Start reporting `request`; with `arrival`, also report its first schedule."""
@@ -31,19 +32,31 @@ class DeltaTracker:
         out = []
         for rid, (r, sent) in list(self.sent.items()):
             n = len(r.output_token_ids)
-            if n == sent and not r.is_finished:
+            prompt_lps = self._prompt_logprobs(r)
+            if n == sent and not r.is_finished and not prompt_lps:
                 continue
             reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
             error = (r.error or self.step_errors.pop(rid, "engine step failed")) \
                 if r.finish_reason is FinishReason.ERROR else None
             out.append(TokenDelta(rid, r.output_token_ids[sent:n], r.output_logprobs[sent:n],
-                                  r.is_finished, reason, error, r.num_prompt_tokens, n))
+                                  r.is_finished, reason, error, r.num_prompt_tokens, n,
+                                  prompt_lps))
             if r.is_finished:
                 del self.sent[rid]
                 self.arrivals.pop(rid, None)
+                self.prompt_logprobs_sent.discard(rid)
             else:
                 self.sent[rid] = (r, n)
         return out
+
+    def _prompt_logprobs(self, r: Request) -> list:
+        """A request's prompt logprobs, once, as soon as they are all collected."""
+        rid = r.request_id
+        if r.params.prompt_logprobs is None or rid in self.prompt_logprobs_sent \
+                or r.wants_prompt_logits:
+            return []
+        self.prompt_logprobs_sent.add(rid)
+        return list(r.prompt_logprobs)
 
     def first_scheduled(self) -> list[tuple[str, float]]:
         now = time.monotonic()

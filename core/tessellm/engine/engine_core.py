@@ -117,7 +117,8 @@ class EngineCoreLoop:
                 priority=m.priority)
         except (TessellmError, TypeError, ValueError) as e:  # validated by the front end too
             ids = [m.request_id] if m.n == 1 else [f"{m.request_id}-{i}" for i in range(m.n)]
-            self.send(StepOutputs([TokenDelta(rid, [], [], True, "error", str(e), 0, 0)
+            reason = "rejected" if isinstance(e, TessellmError) else "error"
+            self.send(StepOutputs([TokenDelta(rid, [], [], True, reason, str(e), 0, 0)
                                    for rid in ids], core_stats(self.engine), [], time.time()))
             return
         for r in requests:

@@ -210,6 +210,15 @@ class LLMEngine:
         """Raise InvalidRequestError if the request can never run here. Reads only immutable
         configuration, so the async front end may call it from its own thread."""
         self.limits.validate(prompt_token_ids, params, priority)
+        self._check_prompt_logprobs(params)
+
+    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
+        c = self.parts.config
+        if params.prompt_logprobs is not None and \
+                self.parts.device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs):
+            raise InvalidRequestError(
+                f"prompt logprobs are not supported on device {self.parts.device.name!r}, "
+                "whose steps have static shapes", "prompt_logprobs")
 
     def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
         """A new matcher for a constrained request (InvalidRequestError for a bad spec)."""
@@ -363,6 +372,10 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.out.preempted)
         self.stats.num_generated_tokens += len(token_ids)
+        for s in step.out.scheduled:   # prompt logprobs first: entries in position order
+            lps = step.prompt_logprobs.get(s.request.request_id)
+            if lps and not s.request.is_finished:
+                s.request.prompt_logprobs += lps
         sampled: dict[str, int] = {}
         for request, token, lp in zip(step.sampled, token_ids, step.logprobs):
             if request.is_finished:   # finished (aborted, EOS) since it was launched

@@ -62,7 +62,7 @@ from tessellm.engine.stage_times import StageTimes
 from tessellm.constraints.step_masks import PendingMasks, StepMasks
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
                                      SelectBitmaskKernel, SelectGreedyKernel, SelectSampleKernel,
-                                     TokenLogprobs, TokenMasks)
+                                     TokenLogprobs, TokenMasks, prompt_logprobs_of)
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.parallel.group import ControlChannel
@@ -111,7 +111,7 @@ class ModelRunner:
         shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
                   "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
                   "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
-                  "logits_indices": ((B,), torch.int64)}
+                  "logits_indices": ((B + T,), torch.int64)}   # + prompt logprobs' rows
         if overlap:
             shapes.update(feed_rows=((B,), torch.int64), feed_src=((B,), torch.int64))
         # fresh blocks to zero in one step: at most T / block_size + 2 per sequence (+ null)
@@ -260,7 +260,8 @@ class ModelRunner:
         n = len(s.query_lens)
         tables_np = self.host_bufs["block_tables"].numpy()
         ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
-        seq_lens, query_lens, logits_idx = s.seq_lens, s.query_lens, s.logits_indices or [0]
+        seq_lens, query_lens = s.seq_lens, s.query_lens
+        logits_idx = s.all_logits_indices or [0]
         num_decodes = s.num_decodes
         if pad is None:
             width = self.table_rows.fill(tables_np, request_ids, s.block_tables)
@@ -396,12 +397,16 @@ class ModelRunner:
         t2 = time.perf_counter()
         self.stage_times.add("prepare_inputs", t1 - t0)
         self.stage_times.add("execute", t2 - t1)
+        prompt_lps = {}
+        if s.prompt_rows:   # the prompt logprobs' rows follow the sampled ones
+            prompt_lps = prompt_logprobs_of(logits[len(s.logits_indices):], s.prompt_spans)
+            logits = logits[:len(s.logits_indices)]
         if not s.sampled:  # no readback: collect waits for the upload (staging free again)
-            return LaunchedStep(out, [], [], None, None, uploaded, {})
+            return LaunchedStep(out, [], [], None, None, uploaded, {}, prompt_lps)
         token_ids, host, readback, logprobs = self._sample(logits, s.sampled, masks)
         self.stage_times.add("sample", time.perf_counter() - t2)
         return LaunchedStep(out, s.sampled, logprobs, token_ids, host, readback,
-                            {r.request_id: i for i, r in enumerate(s.sampled)})
+                            {r.request_id: i for i, r in enumerate(s.sampled)}, prompt_lps)
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """Wait for a launched step's ids (the step's one host sync); its sampled requests'

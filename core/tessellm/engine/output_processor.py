@@ -29,6 +29,7 @@ class StreamDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -73,4 +74,5 @@ class OutputProcessor:
             del self.tracked[raw.request_id]
         return StreamDelta(raw.request_id, raw.token_ids, text, raw.logprobs, finished,
                            reason if finished else None, raw.error, raw.num_prompt_tokens,
-                           raw.num_output_tokens), stopped and not raw.finished
+                           raw.num_output_tokens, raw.prompt_logprobs or None), \
+            stopped and not raw.finished

@@ -416,3 +416,32 @@ def _seeded_exponential(n: int, seed: int, device: torch.device) -> torch.Tensor
     gen.manual_seed(seed)
     draws = torch.empty(n, dtype=torch.float32, device=draw_device).exponential_(generator=gen)
     return draws.to(device)
+
+
+def prompt_logprobs_of(logits: torch.Tensor, spans: Sequence[tuple[object, int, int]]
+                       ) -> dict[str, list[TokenLogprobs]]:
+    """Prompt logprobs from the logits of prompt positions: `spans` are (request, first
+    position, count) in row order; row j of a span is position first + j, whose logits give
+    the logprob of prompt token first + j + 1 and the request's `prompt_logprobs` most likely
+    tokens there (log_softmax of the float32 logits, no penalty or filter: the model's own
+    distribution). One host read for the whole step."""
+    targets = [r.prompt_token_ids[p + 1] for r, first, count in spans   # type: ignore[attr-defined]
+               for p in range(first, first + count)]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = lp.gather(1, index).squeeze(1).tolist()
+    k = max(r.params.prompt_logprobs for r, _, _ in spans)   # type: ignore[attr-defined]
+    top_lp: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if k > 0:
+        top = lp.topk(min(k, lp.shape[1]), dim=-1)
+        top_lp, top_ids = top.values.tolist(), top.indices.tolist()
+    out: dict[str, list[TokenLogprobs]] = {}
+    row = 0
+    for r, first, count in spans:
+        want = r.params.prompt_logprobs   # type: ignore[attr-defined]
+        out[r.request_id] = [   # type: ignore[attr-defined]
+            TokenLogprobs(targets[j], chosen[j], list(zip(top_ids[j][:want], top_lp[j][:want])))
+            for j in range(row, row + count)]
+        row += count
+    return out

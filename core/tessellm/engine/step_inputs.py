@@ -52,14 +52,24 @@ class StepInputs:
     num_decodes: int
     pending_rows: list[int] = field(default_factory=list)   # token rows whose id is pending
     pending: list[Request] = field(default_factory=list)    # ... and whose pending token
+    # prompt logprobs: token rows whose logits are read besides the sampled ones, and per
+    # request (request, first prompt position, how many positions) in that order
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
 
+    @property
+    def all_logits_indices(self) -> list[int]:
+        """The sampled rows' logits indices, then the prompt logprobs' rows."""
+        return self.logits_indices + self.prompt_rows if self.prompt_rows \
+            else self.logits_indices
 
 @dataclass(slots=True)
 class LaunchedStep:
     """A step on the device: `token_ids` (one per logits row, padded rows included) and
     their host copy (`host`, complete once `readback` is waited), or for a step that samples
     nothing the upload event `collect` waits instead. `rows` maps each sampled request's id
-    to its row of token_ids, for the next step's pending inputs."""
+    to its row of token_ids, for the next step's pending inputs. `prompt_logprobs`: per
+    request id, the prompt tokens' logprobs this step computed (in position order)."""
 
     out: SchedulerOutput
     sampled: list[Request]
@@ -68,6 +78,7 @@ class LaunchedStep:
     host: torch.Tensor | None
     readback: Event
     rows: dict[str, int]
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def blocks_written_in_full(out: SchedulerOutput, kv: KVCacheManager,
@@ -91,7 +102,10 @@ def blocks_written_in_full(out: SchedulerOutput, kv: KVCacheManager,
 def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     """One row per scheduled request; a logits index (and sampled request) per request that
     completes in this step, followed by one per sibling forking from it (out.forks): they
-    sample from its row, each with its own SamplingParams and seed."""
+    sample from its row, each with its own SamplingParams and seed. A request that wants
+    prompt logprobs also has its computed prompt positions' rows read (prompt_rows): position
+    p's logits give the logprob of prompt token p + 1, for p from the entries it has up to
+    the second-to-last prompt token (the last one's logits are the sampled row)."""
     s = StepInputs([], [], [], [], [], [], [], [], 0)
     for sched in out.scheduled:
         r, n = sched.request, sched.num_tokens
@@ -103,6 +117,13 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
                                    f"tokens in one step (at most one may be in flight)")
             s.pending_rows.append(len(s.token_ids) + known - start)
             s.pending.append(r)
+        if r.wants_prompt_logits:
+            first = max(start, len(r.prompt_logprobs))
+            last = min(stop, r.num_prompt_tokens - 1)
+            if first < last:
+                row0 = len(s.token_ids) - start
+                s.prompt_rows += range(row0 + first, row0 + last)
+                s.prompt_spans.append((r, first, last - first))
         s.token_ids += r.token_ids_slice(start, stop)
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)

@@ -138,7 +138,8 @@ class BatchScheduler:
         if swapped:   # resumes from its kept computed tokens, into new blocks
             hits, num_hit_tokens = [], request.num_computed_tokens
         else:
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            hits, num_hit_tokens = ([], 0) if request.wants_prompt_logits \
+                else kv.get_computed_blocks(request)
         n = self.tokens.num_new_tokens(request, budget, num_hit_tokens)
         slots_short = len(running) - max_num_seqs + 1
         if slots_short > 0 or not self._fits(request, n, hits, ()):

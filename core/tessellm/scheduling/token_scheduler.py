@@ -8,6 +8,10 @@ where missing = num_tokens - computed. That one rule is prefill (missing = the p
 chunked prefill (budget or threshold < missing), decode (missing = 1: the last sampled token)
 and resumption after a prefix-cache hit (computed = the tokens the hit covers).
 
+A request that wants prompt logprobs (Request.wants_prompt_logits) is granted at most
+PROMPT_LOGITS_CHUNK tokens a step, so one step's prompt logits stay that many rows of the
+vocabulary.
+
 Invariants: the grant is >= 1 whenever budget >= 1 (a request with nothing missing is a bug of
 the caller and raises SchedulerError); it never exceeds missing, the budget or the threshold.
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 from tessellm.errors import ConfigError
 from tessellm.request import Request
 from tessellm.scheduling.output import SchedulerError
+
+PROMPT_LOGITS_CHUNK = 256
 
 
 class TokenScheduler:
@@ -38,5 +44,7 @@ class TokenScheduler:
                 f"request {request.request_id!r} has no token to compute; was the previous "
                 f"output passed to update_from_output()?")
         n = missing if missing < budget else budget
+        if request.wants_prompt_logits and n > PROMPT_LOGITS_CHUNK:
+            n = PROMPT_LOGITS_CHUNK
         t = self.long_prefill_token_threshold
         return n if t == 0 or n <= t else t

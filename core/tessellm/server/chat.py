@@ -4,7 +4,7 @@ The prompt is the chat template (the tokenizer's, or the server's --chat-templat
 rendered with the generation prompt; a model without one gets a 400 saying how to fix it.
 Streaming follows OpenAI's chunk order per choice: a role chunk, content chunks, then a chunk
 with an empty delta and the finish_reason.
-Tools (server.tool_choice): with tools offered, each choice's text goes through its tool-call
+Tools (tools.tool_plan): with tools offered, each choice's text goes through its tool-call
 format's parser (tools.call_format): text outside calls is `content`, calls are `tool_calls`
 (ids `call_...`); streamed, a call's first chunk carries its index, id and name and later
 chunks its arguments' JSON text, piece by piece. A choice whose output held complete calls and
@@ -26,8 +26,8 @@ from tessellm.server.params import check_limits, resolve_max_tokens, sampling_pa
 from tessellm.server.protocol import ChatCompletionRequest
 from tessellm.server.requests import read_body, request_context
 from tessellm.server.structured import structured_outputs_of
-from tessellm.server.tool_choice import plan_tools
 from tessellm.tools.call_format import ArgumentsDelta, CallStarted, ContentDelta, ToolCall
+from tessellm.tools.tool_plan import plan_tools
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
@@ -139,7 +139,11 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     check_limits(req, state.config)
     renders_tools, tool_format = await state.tool_setup() if req.tools else (False, None)
-    plan = plan_tools(req, renders_tools, tool_format, state.tokenizer)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") \
+        else req.tool_choice
+    plan = plan_tools(req.template_messages(), tools, choice, req.parallel_tool_calls,
+                      renders_tools, tool_format, state.tokenizer)
     constraint, param = structured_outputs_of(req, plan.forced)
     if constraint is not None:
         await state.check_constraint(constraint, param)

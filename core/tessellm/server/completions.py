@@ -2,11 +2,14 @@
 
 Choices are indexed prompt-major: choice k = prompt_index * n + i. Usage counts each prompt
 once and every choice's generated tokens. `echo`: each choice's text starts with its prompt
-(a streamed choice sends it in its first chunk).
+(a streamed choice sends it in its first chunk); with `logprobs`, the prompt's tokens come
+first in the logprobs too (the first with null logprobs, the others from the engine's prompt
+logprobs), and a streamed choice sends the prompt with them once they are computed.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -21,17 +24,28 @@ from tessellm.server.requests import read_body, request_context
 from tessellm.server.structured import structured_outputs_of
 
 
+@dataclass(frozen=True, slots=True)
+class _FirstPromptToken:
+    """Echo's first prompt token: nothing predicts it (null logprobs, as OpenAI answers)."""
+
+    token_id: int
+    logprob: None = None
+    top: None = None
+
+
 class CompletionShape:
     """The JSON of text_completion answers and chunks for one request."""
 
     def __init__(self, request_id: str, model: str, texts: TokenTexts, logprobs: bool,
-                 include_usage: bool, echo: list[str] | None = None) -> None:
+                 include_usage: bool, echo: list[str] | None = None,
+                 echo_first_tokens: list[int] | None = None) -> None:
         self._base = {"id": request_id, "object": "text_completion",
                       "created": int(time.time()), "model": model}
         self._texts = texts
         self._logprobs = logprobs
         self._usage_field = include_usage
         self._echo = echo   # per choice: its prompt's text
+        self._first_tokens = echo_first_tokens   # per choice: its prompt's first token id
         self._builders: dict[int, CompletionLogprobs] = {}
 
     def _lp(self, index: int, entries: list[Any]) -> dict[str, list] | None:
@@ -40,8 +54,12 @@ class CompletionShape:
         builder = self._builders.setdefault(index, CompletionLogprobs(self._texts))
         return builder.build(entries)
 
+    def _prompt_entries(self, index: int, prompt_logprobs: list[Any] | None) -> list[Any]:
+        return [_FirstPromptToken(self._first_tokens[index]),  # type: ignore[index]
+                *(prompt_logprobs or [])]
+
     def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
-        if self._echo is None:
+        if self._echo is None or self._logprobs:   # with logprobs: once they are computed
             return []
         return [self._chunk({"index": k, "text": self._echo[k], "logprobs": None,
                              "finish_reason": None}) for k in range(num_choices)]
@@ -53,9 +71,15 @@ class CompletionShape:
         return chunk
 
     def delta_chunks(self, index: int, delta: StreamDelta) -> list[dict[str, Any]]:
+        chunks = []
+        if self._echo is not None and self._logprobs and delta.prompt_logprobs:
+            chunks.append(self._chunk({"index": index, "text": self._echo[index],
+                                       "logprobs": self._lp(index, self._prompt_entries(
+                                           index, delta.prompt_logprobs)),
+                                       "finish_reason": None}))
         if not delta.text and not delta.finished and not (self._logprobs and delta.logprobs):
-            return []
-        return [self._chunk({"index": index, "text": delta.text,
+            return chunks
+        return chunks + [self._chunk({"index": index, "text": delta.text,
                              "logprobs": self._lp(index, delta.logprobs),
                              "finish_reason": delta.finish_reason if delta.finished else None})]
 
@@ -63,10 +87,15 @@ class CompletionShape:
         return {**self._base, "choices": [], "usage": usage}
 
     def response(self, results: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
-        choices = [{"index": r.index,
-                    "text": r.text if self._echo is None else self._echo[r.index] + r.text,
-                    "logprobs": self._lp(r.index, r.logprobs),
-                    "finish_reason": r.finish_reason} for r in results]
+        choices = []
+        for r in results:
+            entries = r.logprobs
+            if self._echo is not None and self._logprobs:
+                entries = self._prompt_entries(r.index, r.prompt_logprobs) + entries
+            choices.append({"index": r.index,
+                            "text": r.text if self._echo is None else self._echo[r.index] + r.text,
+                            "logprobs": self._lp(r.index, entries),
+                            "finish_reason": r.finish_reason})
         return {**self._base, "choices": choices, "usage": usage}
 
 
@@ -76,8 +105,6 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state.check_model(req.model)
     prompts = req.prompts
     check_limits(req, state.config, len(prompts))
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported yet", "echo")
     constraint, param = structured_outputs_of(req)
     if constraint is not None:
         await state.check_constraint(constraint, param)
@@ -89,15 +116,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     groups = []
     for ids in token_lists:
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
-        groups.append((ids, sampling_params(req, max_tokens, req.logprobs, 0, constraint),
-                       req.n))
-    echo = None
+        params = sampling_params(req, max_tokens, req.logprobs, 0, constraint,
+                                 prompt_logprobs=req.logprobs if req.echo else None)
+        groups.append((ids, params, req.n))
+    echo = first_tokens = None
     if req.echo:
         texts = [p if isinstance(p, str) else await state.decode(p) for p in prompts]
         echo = [texts[k // req.n] for k in range(len(prompts) * req.n)]
+        first_tokens = [token_lists[k // req.n][0] for k in range(len(prompts) * req.n)]
     streams = state.submit(request_id, groups, req.stop_strings, req.priority)
     shape = CompletionShape(request_id, state.model_name, state.texts, req.logprobs is not None,
-                            req.stream and req.include_usage, echo)
+                            req.stream and req.include_usage, echo, first_tokens)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,
                          include_usage=req.include_usage,
                          num_prompt_tokens=sum(len(t) for t in token_lists), start=start)

@@ -36,6 +36,7 @@ class ChoiceResult:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def text(self) -> str:
@@ -45,6 +46,8 @@ class ChoiceResult:
         self.text_parts.append(delta.text)
         self.logprobs.extend(delta.logprobs or ())
         self.num_output_tokens = max(self.num_output_tokens, delta.num_output_tokens)
+        if delta.prompt_logprobs:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
 
@@ -59,12 +62,21 @@ class ResponseShape(Protocol):
     def response(self, results: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]: ...
 
 
+def _timer_reason(delta: StreamDelta) -> str:
+    return "error" if delta.finish_reason == "rejected" else delta.finish_reason or "stop"
+
+
 def usage_of(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_output_tokens,
             "total_tokens": num_prompt_tokens + num_output_tokens}
 
 
+FAILED = ("error", "abort", "rejected")   # finish reasons that fail the whole request
+
+
 def failure(delta: StreamDelta) -> APIError:
+    if delta.finish_reason == "rejected":   # the engine core refused it at admission
+        return APIError(400, delta.error or "the engine refused the request")
     if delta.finish_reason == "abort":
         return APIError(503, "the request was aborted: the server is shutting down", code=503,
                         type="service_unavailable")
@@ -108,8 +120,8 @@ async def _whole(request_id: str, streams: list[RequestStream], shape: ResponseS
             timers[k].on_tokens(len(d.token_ids))
             results[k].add(d)
             if d.finished:
-                timers[k].finish(d.finish_reason or "stop")
-                if d.finish_reason in ("error", "abort"):
+                timers[k].finish(_timer_reason(d))
+                if d.finish_reason in FAILED:
                     log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
                     raise failure(d)
     usage = usage_of(num_prompt_tokens, sum(r.num_output_tokens for r in results))
@@ -131,8 +143,8 @@ async def _stream(request: web.Request, request_id: str, streams: list[RequestSt
                     timers[k].on_tokens(len(d.token_ids))
                     outputs[k] = max(outputs[k], d.num_output_tokens)
                     if d.finished:
-                        timers[k].finish(d.finish_reason or "stop")
-                        if d.finish_reason in ("error", "abort"):
+                        timers[k].finish(_timer_reason(d))
+                        if d.finish_reason in FAILED:
                             log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
                             await writer.send(failure(d).body())
                             await writer.done()

@@ -56,7 +56,9 @@ class TokenTexts:
 
 class CompletionLogprobs:
     """Builds `choices[].logprobs` of /v1/completions for one choice, chunk after chunk;
-    text_offset runs on across chunks (offsets into this choice's generated text)."""
+    text_offset runs on across chunks (offsets into this choice's text: with echo, the prompt
+    comes first). An entry whose `logprob` is None (echo's first prompt token, which nothing
+    predicts) has null token_logprobs and top_logprobs, as OpenAI answers."""
 
     def __init__(self, texts: TokenTexts) -> None:
         self._texts = texts
@@ -68,8 +70,12 @@ class CompletionLogprobs:
         for e in entries:
             text = self._texts.text(e.token_id)
             out["tokens"].append(text)
-            out["token_logprobs"].append(finite(e.logprob))
-            out["top_logprobs"].append({self._texts.text(t): finite(lp) for t, lp in e.top})
+            if e.logprob is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(finite(e.logprob))
+                out["top_logprobs"].append({self._texts.text(t): finite(lp) for t, lp in e.top})
             out["text_offset"].append(self._offset)
             self._offset += len(text)
         return out

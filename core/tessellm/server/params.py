@@ -46,7 +46,8 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    choice: int, constraint: StructuredOutputs | None = None) -> SamplingParams:
+                    choice: int, constraint: StructuredOutputs | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Params of choice `choice` (0..n-1): a given seed becomes seed + choice, so the n
     choices differ yet the whole request is reproducible. `constraint`: the request's
     structured output (server.structured), already checked."""
@@ -59,6 +60,6 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logprobs=logprobs,
             logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-            structured_outputs=constraint)
+            structured_outputs=constraint, prompt_logprobs=prompt_logprobs)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=e.param) from None

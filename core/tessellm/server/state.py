@@ -30,8 +30,7 @@ from tessellm.server.errors import APIError
 from tessellm.server.logprobs import TokenTexts
 from tessellm.server.metrics import ServerMetrics
 from tessellm.server.server_config import ServerConfig
-from tessellm.tools.formats import choose_format
-from tessellm.tools.tool_prompt import template_renders_tools
+from tessellm.tools.tool_plan import tool_setup
 
 NO_CHAT_TEMPLATE_HINT = ("start the server with --chat-template FILE (a Jinja template) or "
                          "use /v1/completions")
@@ -109,14 +108,12 @@ class ServerState:
             raise APIError(400, str(e), param=param) from None
 
     def _setup_tools(self) -> tuple[bool, Any]:
+        from tessellm.plugins import PluginManager
+
         def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
             return render_chat(self.tokenizer, messages, self.chat_template, tools=tools)
-        renders = self.chat_template is not None and template_renders_tools(render)
-        from tessellm.plugins import PluginManager
-        extra = PluginManager().load().tool_call_formats()
-        fmt = choose_format(self.chat_template if renders else None,
-                            self.config.tool_call_parser, extra)
-        return renders, fmt
+        return tool_setup(render, self.chat_template, self.config.tool_call_parser,
+                          PluginManager().load().tool_call_formats())
 
     async def tool_setup(self) -> tuple[bool, Any]:
         """(whether the chat template renders tools, the tool-call format), found once."""

@@ -8,5 +8,7 @@
 - formats.py: the built-in formats (hermes, llama3_json, mistral), the one a chat template
   implies, and third-party ones from the `tessellm_tool_call_formats` plugin hook;
 - tool_prompt.py: tools and tool turns in the prompt: the model's own chat template when it
-  renders tools, else a generic Hermes-style system prompt.
+  renders tools, else a generic Hermes-style system prompt;
+- tool_plan.py: what tools and tool_choice mean for one chat request (the history to render,
+  the format to parse, the grammar of a forced call), shared by the server and LLM.chat.
 """

@@ -53,6 +53,8 @@ export class Chat {
     node.scrollIntoView({ block: "end" });
   }
 
+  // The request's sampling settings; a JSON schema (settings box) constrains the answer
+  // through response_format. Throws SettingsError when the schema box is not JSON.
   settings() {
     const body = {};
     const number = (id) => {
@@ -65,12 +67,31 @@ export class Chat {
     if (temperature !== undefined) body.temperature = temperature;
     if (topP !== undefined) body.top_p = topP;
     if (maxTokens !== undefined) body.max_tokens = maxTokens;
+    const schemaText = byId("json-schema").value.trim();
+    if (schemaText) {
+      let schema;
+      try {
+        schema = JSON.parse(schemaText);
+      } catch (err) {
+        throw new SettingsError(`the JSON schema in the settings is not JSON: ${err.message}`);
+      }
+      body.response_format = { type: "json_schema",
+                               json_schema: { name: "answer", schema, strict: true } };
+    }
     return body;
   }
 
   async send() {
     const text = this.prompt.value;
     if (this.streaming || !text.trim()) return;
+    let settings;
+    try {
+      settings = this.settings();
+    } catch (err) {
+      if (!(err instanceof SettingsError)) throw err;
+      this.showError(err.message);   // nothing sent; the message stays in the box
+      return;
+    }
     this.prompt.value = "";
     const system = byId("system-prompt").value.trim();
     const history = [...this.turns, { role: "user", content: text }];
@@ -92,7 +113,7 @@ export class Chat {
         method: "POST", signal: controller.signal,
         headers: { "Content-Type": "application/json" },
         body: JSON.stringify({ model: this.getModel(), messages, stream: true,
-                               stream_options: { include_usage: true }, ...this.settings() }),
+                               stream_options: { include_usage: true }, ...settings }),
       });
       for await (const data of sseData(response)) {
         if (data === "[DONE]") break;
@@ -157,6 +178,8 @@ export class Chat {
     this.status.textContent = "";
   }
 }
+
+class SettingsError extends Error {}
 
 async function copyText(text, button) {
   let ok = false;
