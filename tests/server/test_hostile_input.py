@@ -168,15 +168,36 @@ IN_RANGE = {   # values inside each field's range (the fuzz mixes them with anyt
                                   max_size=2),
     "user": SHORT_TEXT, "stream_options": st.fixed_dictionaries(
         {"include_usage": st.booleans()}),
+    "response_format": st.sampled_from([
+        {"type": "text"}, {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"],
+            "additionalProperties": False}}},
+        {"type": "json_schema"}, {"type": "yaml"}]),
+    "structured_outputs": st.sampled_from([
+        {"regex": "[ab]{1,3}"}, {"choice": ["x", "y"]}, {"grammar": 'root ::= "ok"'},
+        {"regex": "("}, {"choice": []}, {"json": "not json"}, {}, {"regex": "a", "choice": ["b"]}]),
+    "guided_regex": st.sampled_from(["[0-9]{2}", "[", "a" * 300]),
+    "guided_choice": st.lists(SHORT_TEXT, max_size=4),
 }
 COMPLETION_ONLY = {"prompt": st.text(max_size=30) | st.lists(st.integers(0, 600), max_size=8)
                    | st.lists(SHORT_TEXT, min_size=1, max_size=3),
                    "logprobs": st.integers(0, 5), "echo": st.booleans()}
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
                                  "content": st.text(max_size=30)})
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"], "additionalProperties": False}}}
 CHAT_ONLY = {"messages": st.lists(MESSAGE, min_size=1, max_size=3),
              "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
-             "max_completion_tokens": st.integers(1, 6)}
+             "max_completion_tokens": st.integers(1, 6),
+             "tools": st.sampled_from([[TOOL], [], [{"type": "function"}],
+                                       [{"type": "function", "function": {"name": "g h"}}]]),
+             "tool_choice": st.sampled_from(["auto", "none", "required",
+                                             {"type": "function", "function": {"name": "f"}},
+                                             {"type": "function", "function": {"name": "zz"}},
+                                             "sometimes"]),
+             "parallel_tool_calls": st.booleans()}
 
 
 @st.composite

@@ -37,6 +37,14 @@ def _json_with(base: dict, **fields: object) -> bytes:
     return (text + "}").encode()
 
 
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "boolean"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"],
+                  "additionalProperties": False}
+    return schema
+
+
 def hostile_requests(max_queue: int, api_key: str | None = None) -> list[HostileRequest]:
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -91,6 +99,28 @@ def hostile_requests(max_queue: int, api_key: str | None = None) -> list[Hostile
             400, "image input", None, CHAT),
         req("too-many-sequences", {"prompt": ["a", "b"], "n": max_queue // 2 + 1,
                                    "max_tokens": 1}, 400, "", "n"),
+        # constraints and tools
+        req("schema-invalid", {**BASE, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objekt"}}}}, 400, "Invalid type",
+            "response_format.json_schema.schema"),
+        req("schema-huge-bounds", {**BASE, "guided_json": {"type": "integer",
+                                                          "minimum": -10 ** 30}},
+            400, "", "guided_json"),
+        req("schema-deep", {**BASE, "guided_json": _nested_schema(60)}, 200),
+        req("regex-unclosed", {**BASE, "structured_outputs": {"regex": "[a-"}}, 400,
+            "regex", "structured_outputs"),
+        req("choices-too-many", {**BASE, "guided_choice": [str(i) for i in range(5000)]},
+            400, "at most", "guided_choice"),
+        req("two-constraints", {**BASE, "guided_regex": "a", "response_format": {
+            "type": "json_object"}}, 400, "one way", "guided_regex"),
+        req("tool-params-not-object", {**CHAT_BASE, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "array"}}}]}, 400, "",
+            "tools.0.function.parameters", CHAT),
+        req("tool-choice-unknown", {**CHAT_BASE, "tools": [{"type": "function", "function": {
+            "name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            400, "not among", "tool_choice", CHAT),
+        req("logit-bias-huge-id", {**BASE, "logit_bias": {"9" * 30: 1}}, 400, "",
+            "logit_bias"),
         # HTTP itself
         req("wrong-method", None, 405, "", None, COMPLETIONS, "GET"),
         req("header-too-large", BASE, 400, "malformed HTTP request",
