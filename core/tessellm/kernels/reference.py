@@ -177,15 +177,19 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.max(logits, dim=-1).indices
 
 
+_BIT_VALUES = [1 << k if k < 31 else -(1 << 31) for k in range(32)]   # bit k as an int32
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place: every token a row's bitmask forbids gets -inf. logits [n, vocab] (any float
     dtype); bitmask [n, ceil(vocab / 32)] int32, token t allowed iff bit t % 32 (least
     significant first) of word t // 32 is set; the bits past `vocab` are ignored. A row of
     all-ones words (-1) leaves its logits as they are. (llguidance's and xgrammar's layout.)"""
-    n, vocab = logits.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    allowed = bits.flatten(1)[:, :vocab].bool()
+    vocab = logits.shape[1]
+    # each word against the 32 one-bit values (an AND, not shifts: torch-xla 2.9 broadcasts
+    # an int32 right shift wrongly, and this must run there as the portable kernel)
+    bits = torch.tensor(_BIT_VALUES, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) & bits) != 0).flatten(1)[:, :vocab]
     logits.masked_fill_(~allowed, float("-inf"))
 
 

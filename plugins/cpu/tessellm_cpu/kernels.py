@@ -178,5 +178,5 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
         k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
         k("greedy_tokens", "greedy_torch_max", reference.greedy_tokens, "torch.max(...).indices"),
         k("apply_token_bitmask", "token_bitmask_torch", reference.apply_token_bitmask,
-          "bits unpacked by shifts, masked_fill_"),
+          "bits by AND with 32 one-bit words, masked_fill_"),
     ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered)

@@ -35,5 +35,5 @@ TORCH_ALTERNATIVES = {
     "sample_tokens": [("sample_tokens_torch", reference.sample_tokens,
                        "the torch reference (sort, cumsum, softmax, argmax)")],
     "apply_token_bitmask": [("token_bitmask_torch", portable.apply_token_bitmask,
-                             "bits unpacked by shifts, masked_fill_")],
+                             "bits by AND with 32 one-bit words, masked_fill_")],
 }

@@ -32,5 +32,5 @@ def xla_kernels(device: str) -> list[Kernel]:
         k("attention_prefill", "attention_static_xla", portable.paged_attention_static, attention),
         k("attention_decode", "attention_static_xla", portable.paged_attention_static, attention),
         k("apply_token_bitmask", "token_bitmask_xla", portable.apply_token_bitmask,
-          "bits unpacked by shifts, masked_fill_ (static shapes)"),
+          "bits by AND with 32 one-bit words, masked_fill_ (static shapes)"),
     ]
