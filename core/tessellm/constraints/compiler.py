@@ -9,10 +9,12 @@ copy costs about a microsecond; building one reads the grammar again).
 The front end compiles without a tokenizer (validation needs none) to refuse a bad request
 before admission; the engine core compiles with its tokenizer to build matchers. Counters
 (`hits`, `misses`, `compile_seconds`) are for the benchmarks and the metrics.
-Not thread-safe: one compiler per thread that uses it.
+Not thread-safe: one compiler per thread that uses it (`prefetch_tokenizer` builds the
+tokenizer on a thread of its own; the first use waits for it).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -31,14 +33,38 @@ class GrammarCompiler:
         needed); None for a compiler that only validates."""
         self._tokenizer_source = tokenizer
         self._tokenizer: Any = None
+        self._prefetch: threading.Thread | None = None
+        self._prefetch_error: BaseException | None = None
         self.capacity = capacity
         self._entries: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self.hits = self.misses = 0
         self.compile_seconds = 0.0
 
+    def prefetch_tokenizer(self) -> None:
+        """Start building the tokenizer on a daemon thread (it releases the interpreter lock
+        for nearly all of it), so the first constrained request does not wait for it."""
+        if self._tokenizer_source is None or self._tokenizer is not None or self._prefetch:
+            return
+
+        def build() -> None:
+            try:
+                self._tokenizer = self._tokenizer_source()   # type: ignore[misc]
+            except BaseException as e:   # raised again where the tokenizer is needed
+                self._prefetch_error = e
+
+        self._prefetch = threading.Thread(target=build, daemon=True,
+                                          name="tessellm-guidance-tokenizer")
+        self._prefetch.start()
+
     @property
     def tokenizer(self) -> Any:
+        if self._prefetch is not None:
+            self._prefetch.join()
+            self._prefetch = None
+            if self._prefetch_error is not None:
+                error, self._prefetch_error = self._prefetch_error, None
+                raise error
         if self._tokenizer is None:
             if self._tokenizer_source is None:
                 raise RuntimeError("this GrammarCompiler validates only: it has no tokenizer")

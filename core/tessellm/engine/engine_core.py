@@ -218,6 +218,8 @@ def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, paren
         sys.exit(1)
     loop = EngineCoreLoop(engine, inbox, outbox, parent_pid)
     loop.send(ready)
+    if engine.parts.tokenizer is not None:   # constraints' tokenizer, off the step loop
+        engine.grammars.prefetch_tokenizer()
     try:
         loop.run()
     except BaseException:
