@@ -38,7 +38,7 @@ from tessellm.errors import ConfigError, DeviceUnavailableError, KernelError
 from tessellm.graph.passes import GraphPass, default_passes
 from tessellm.kernels.registry import Kernel, KernelRegistry
 from tessellm.models.architectures import Architecture, builtin_architecture_names
-from tessellm.quant.formats import PACKED_FORMATS
+from tessellm.quant.formats import QUANTIZABLE
 from tessellm.plugin_records import DeviceRecord, PluginRecord, describe_exception, plugin_row
 from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP, PROJECT, TessellmHookSpecs
 
@@ -51,7 +51,7 @@ TOOL_FORMAT_METHODS = ("stream", "parse_calls", "matches_template", "grammar")
 def builtin_pass_names() -> frozenset[str]:
     """Names of the passes tessellm itself may run (fusions, quantize_<format>, dead code)."""
     return frozenset({p.name for p in default_passes()}
-                     | {f"quantize_{f.name.lower()}" for f in PACKED_FORMATS.values()})
+                     | {f"quantize_{f.name.lower()}" for f in QUANTIZABLE})
 
 
 def _major(version: str) -> str:

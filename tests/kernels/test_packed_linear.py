@@ -1,4 +1,4 @@
-"""Packed weights (Q8_0, Q4_0, Q4_1): the torch quantizers reproduce ggml's bytes, the
+"""Legacy packed weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the torch quantizers reproduce ggml's bytes, the
 dequantizer reproduces gguf's, and every CPU linear_packed kernel equals dequantize-then-matmul.
 
 Tolerance of the kernels (float32 activations): both sides multiply the same dequantized
@@ -20,10 +20,10 @@ from gguf.quants import quantize as gguf_quantize
 from tessellm_cpu.kernels import cpu_kernels
 
 from tessellm.kernels.reference import embedding_packed, linear_packed
-from tessellm.quant.formats import (PACKED_FORMATS, PackedWeight, concat_rows, dequantize,
-                                    quantize)
+from tessellm.quant.formats import (PACKED_FORMATS, QUANTIZABLE, PackedWeight, concat_rows,
+                                    dequantize, quantize)
 
-FORMATS = list(PACKED_FORMATS.values())
+FORMATS = list(QUANTIZABLE)      # the K-quants: test_k_quants.py
 IDS = [f.name for f in FORMATS]
 KERNELS = [k for k in cpu_kernels("cpu") if k.op == "linear_packed"]
 # (M, N, K): K = 96 and 608 are not multiples of 256 (only of the 32-weight block); odd N.
@@ -53,8 +53,10 @@ def test_quantize_reproduces_ggml_bytes_and_dequantize_gguf_values(fmt) -> None:
     np.testing.assert_array_equal(dequantize(ours, torch.float32).numpy(),
                                   gguf_dequantize(theirs, kind))
     # the error is what the format promises: half a step of the block's scale (a whole step
-    # for Q4_0, whose 16 levels -8..7 clip the extreme of the sign opposite to the block's max)
-    step = {"Q8_0": 1 / 127 / 2, "Q4_0": 1 / 8, "Q4_1": 1 / 15}[fmt.name]
+    # for Q4_0 / Q5_0, whose levels -8..7 / -16..15 clip the extreme of the sign opposite to
+    # the block's max)
+    step = {"Q8_0": 1 / 127 / 2, "Q4_0": 1 / 8, "Q4_1": 1 / 15, "Q5_0": 1 / 16,
+            "Q5_1": 1 / 31}[fmt.name]
     err = (dequantize(ours, torch.float32) - w).abs().reshape(37, 3, 32)
     scale = w.reshape(37, 3, 32).abs().amax(-1, keepdim=True)
     assert (err <= scale * step + 1e-3 * scale + 1e-7).all()

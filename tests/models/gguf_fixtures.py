@@ -360,3 +360,26 @@ def patched_copy(src: Path, dst: Path, offset: int, data: bytes) -> Path:
 def truncated_copy(src: Path, dst: Path, size: int) -> Path:
     dst.write_bytes(src.read_bytes()[:size])
     return dst
+
+
+def llama3_rope_factors(config: Any) -> np.ndarray:
+    """`rope_freqs` as llama.cpp's converter writes it for an HF model with rope_type llama3
+    (Llama 3.1+): per rotary frequency the divisor of its base value: 1 for short wavelengths,
+    `factor` for long ones, a smooth ramp between."""
+    import math
+    rope = dict(getattr(config, "rope_parameters", None) or config.rope_scaling)
+    theta, factor = float(rope["rope_theta"]), float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)

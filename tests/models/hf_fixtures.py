@@ -95,6 +95,20 @@ def _llama3_rope_config(tok: Any) -> Any:
     return _llama_config(tok, rope_scaling=rope)
 
 
+def _llama_yarn_config(tok: Any) -> Any:
+    # an original length of 32 and factor 4: the interpolated frequencies and the attention
+    # factor (0.1 ln 4 + 1) both change the logits of the test prompts
+    rope = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+            "original_max_position_embeddings": 32}
+    return _llama_config(tok, rope_scaling=rope, max_position_embeddings=128)
+
+
+def _llama_dynamic_config(tok: Any) -> Any:
+    # dynamic NTK past max_position_embeddings = 24: greedy generation runs past it
+    rope = {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 4.0}
+    return _llama_config(tok, rope_scaling=rope, max_position_embeddings=24)
+
+
 def _mistral_config(tok: Any) -> Any:
     from transformers import MistralConfig
     return MistralConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=160,
@@ -132,11 +146,16 @@ CASES: dict[str, ModelCase] = {c.name: c for c in (
     ModelCase("llama", llama3_tokenizer, _llama_config, 1, "GQA 4/2, untied head"),
     ModelCase("llama_rope3", llama3_tokenizer, _llama3_rope_config, 1,
               "same weights as llama, rope_type llama3"),
+    ModelCase("llama_yarn", llama3_tokenizer, _llama_yarn_config, 1,
+              "same weights as llama, rope_type yarn"),
     ModelCase("mistral", llama2_tokenizer, _mistral_config, 2, "SentencePiece 32000"),
     ModelCase("qwen2", qwen3_tokenizer, _qwen2_config, 3, "qkv bias, tied head"),
     ModelCase("qwen3", qwen3_tokenizer, _qwen3_config, 4, "q/k norm, head_dim 32 != 64/4"),
     ModelCase("gpt2", gpt2_tokenizer_from_gguf, _gpt2_config, 5, "LayerNorm, learned positions"),
 )}
+# position-dependent rope (transformers recomputes it per forward call): tested apart
+DYNAMIC_ROPE_CASE = ModelCase("llama_dynamic", llama3_tokenizer, _llama_dynamic_config, 1,
+                              "same weights as llama, rope_type dynamic (NTK)")
 
 
 def randomize_weights(model: torch.nn.Module, seed: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_fixtures import (CASES, GPT2_GGUF, STORIES_260K, build_hf_model,
+from hf_fixtures import (DYNAMIC_ROPE_CASE, CASES, GPT2_GGUF, STORIES_260K, build_hf_model,
                          gpt2_tokenizer_from_gguf, save_model_dir)
 from logits_probe import prefill_logits_and_token
 from tessellm import LLM, SamplingParams
@@ -96,7 +96,7 @@ def models() -> Iterator[dict[str, Built]]:
 def built(models: dict[str, Built], name: str, factory: pytest.TempPathFactory) -> Built:
     """The case `name`, built and saved on first use."""
     if name not in models:
-        case = CASES[name]
+        case = CASES[name] if name in CASES else DYNAMIC_ROPE_CASE
         tok = case.tokenizer()
         hf = build_hf_model(case, tok)
         path = save_model_dir(hf, tok, factory.mktemp(name))
@@ -168,15 +168,38 @@ def test_prefill_logits_match_hf(model: Built, cache_dir: Path) -> None:
         assert token == theirs.argmax().item()
 
 
-def test_llama3_rope_scaling_changes_the_model(models: dict[str, Built],
-                                               tmp_path_factory: pytest.TempPathFactory) -> None:
-    """llama and llama_rope3 share weights: the scaled rope must matter on these prompts, or
-    the parity of llama_rope3 would prove nothing about the scaling."""
+@pytest.mark.parametrize("scaled_name", ["llama_rope3", "llama_yarn"])
+def test_rope_scaling_changes_the_model(scaled_name: str, models: dict[str, Built],
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """llama and the scaled cases share weights: the scaled rope must matter on these prompts,
+    or their parity would prove nothing about the scaling."""
     plain = built(models, "llama", tmp_path_factory)
-    scaled = built(models, "llama_rope3", tmp_path_factory)
+    scaled = built(models, scaled_name, tmp_path_factory)
     ids = plain.encode(PROMPTS[1])
     diff = (hf_logits(plain.hf, ids) - hf_logits(scaled.hf, ids)).abs().max().item()
     assert diff > 1e-2
+
+
+def test_dynamic_ntk_rope_equals_transformers_past_the_original_length(
+        models: dict[str, Built], tmp_path_factory: pytest.TempPathFactory,
+        cache_dir: Path) -> None:
+    """rope_type dynamic from max_position_embeddings 24 (factor 4: 96 positions allowed):
+    prompts shorter than 24 tokens, then 60 greedy tokens, most past position 24, where every
+    new token's frequencies come from the base stretched for its sequence length. Equal to
+    transformers' greedy tokens; and the stretched base matters (plain llama differs there)."""
+    model = built(models, "llama_dynamic", tmp_path_factory)
+    llm = model.llm("float32", cache_dir)
+    assert llm.engine.parts.spec.max_position_embeddings == 96
+    plain = built(models, "llama", tmp_path_factory)
+    n = 60
+    for prompt in PROMPTS:
+        ids = model.encode(prompt)
+        assert len(ids) < 24
+        want = hf_greedy(model.hf, ids, n)
+        got = llm.generate([ids], SamplingParams(max_tokens=n, temperature=0.0,
+                                                 ignore_eos=True))[0].token_ids
+        assert got == want, prompt
+        assert hf_greedy(plain.hf, ids, n) != want, prompt
 
 
 def test_gpt2_gguf_tokenizer_matches_llama_cpp() -> None:

@@ -10,7 +10,7 @@ import torch
 from tessellm.errors import ConfigError
 from tessellm.models.sharding import Shard, _columns, _rows, _vocab_rows, check_shardable
 from tessellm.models.spec import ModelSpec
-from tessellm.quant.formats import PACKED_FORMATS, dequantize, quantize
+from tessellm.quant.formats import PACKED_FORMATS, dequantize, packed_example, quantize
 
 
 def _spec(**kw) -> ModelSpec:
@@ -22,13 +22,16 @@ def _spec(**kw) -> ModelSpec:
 
 @pytest.mark.parametrize("fmt", list(PACKED_FORMATS.values()), ids=lambda f: f.name)
 def test_packed_splits_equal_slices_of_the_dequantized_weight(fmt):
-    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
-    packed = quantize(w, fmt)
+    k = 4 * fmt.block_weights          # K-quants split at super-blocks of 256
+    packed = packed_example(fmt, 48, k, torch.Generator().manual_seed(0))
     full = dequantize(packed, torch.float32)
     torch.testing.assert_close(dequantize(_rows(packed, 16, 40), torch.float32), full[16:40])
-    cols = _columns(packed, 64, 128, "down_proj")
-    assert cols.in_features == 64
-    torch.testing.assert_close(dequantize(cols, torch.float32), full[:, 64:128])
+    cols = _columns(packed, k // 2, k, "down_proj")
+    assert cols.in_features == k // 2
+    torch.testing.assert_close(dequantize(cols, torch.float32), full[:, k // 2:])
+    if fmt.block_weights > 32:
+        with pytest.raises(ConfigError, match="blocks of 256"):
+            _columns(packed, 0, 32, "down_proj")
 
 
 def test_a_packed_split_inside_a_block_is_refused():

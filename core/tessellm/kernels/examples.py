@@ -15,7 +15,7 @@ import torch
 from tessellm.errors import KernelError
 from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
 from tessellm.kernels.registry import KernelQuery
-from tessellm.quant.formats import packed_format, quantize
+from tessellm.quant.formats import packed_example, packed_format
 
 EXAMPLE_BLOCK_SIZE = 16
 DECODE_CONTEXT = 128    # context length of each decode sequence in examples
@@ -171,14 +171,13 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
         return [_randn(gen, (T, d["in_features"]), dt, dev), w, b]
     if op in ("linear_packed", "linear_packed_q8act"):  # weights quantized from seeded ones
-        fmt = packed_format(d["qtype"])
-        w = quantize(torch.randn((d["out_features"], d["in_features"]), generator=gen)
-                     * d["in_features"] ** -0.5, fmt, dt)
+        w = packed_example(packed_format(d["qtype"]), d["out_features"], d["in_features"], gen,
+                           scale=d["in_features"] ** -0.5, compute_dtype=dt)
         b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
         return [_randn(gen, (T, d["in_features"]), dt, dev), w.with_data(w.data.to(dev)), b]
     if op == "embedding_packed":
-        w = quantize(torch.randn((d["vocab"], d["hidden"]), generator=gen),
-                     packed_format(d["qtype"]), dt)
+        w = packed_example(packed_format(d["qtype"]), d["vocab"], d["hidden"], gen,
+                           compute_dtype=dt)
         return [torch.randint(0, d["vocab"], (T,), generator=gen).to(dev),
                 w.with_data(w.data.to(dev))]
     if op == "rms_norm":  # the last row is zero: a kernel that ignores eps yields NaN there

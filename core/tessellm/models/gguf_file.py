@@ -153,14 +153,40 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         config["sliding_window"] = num("attention.sliding_window", int)
     scaling = metadata_field(reader, f"{a}.rope.scaling.type")
     if scaling not in (None, "none"):
-        if scaling != "linear":
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear",
+                                      "factor": num("rope.scaling.factor", float)}
+        elif scaling == "yarn":
+            yarn = {"rope_type": "yarn", "factor": num("rope.scaling.factor", float),
+                    "original_max_position_embeddings":
+                        num("rope.scaling.original_context_length", int)}
+            for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                value = num(f"rope.scaling.{key}", float, None)
+                if value is not None:
+                    yarn[name] = value
+            config["rope_scaling"] = yarn
+            config["max_position_embeddings"] = max(
+                config["max_position_embeddings"],
+                int(yarn["original_max_position_embeddings"] * yarn["factor"]))
+        else:
             raise UnsupportedModelError(f"GGUF {a}: rope scaling {scaling!r} is not supported "
-                                        "(supported: none, linear)")
-        config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": num("rope.scaling.factor", float)}
-    if "rope_freqs.weight" in tensors:
-        raise UnsupportedModelError(f"GGUF {a}: per-frequency rope factors (rope_freqs, "
-                                    "Llama 3.1 style rope scaling) are not supported yet")
+                                        "(supported: none, linear, yarn, and rope_freqs "
+                                        "factors)")
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None:   # llama.cpp's Llama 3.1+ files: a divisor per rotary frequency
+        if "rope_scaling" in config:
+            raise UnsupportedModelError(f"GGUF {a}: rope_freqs together with rope scaling "
+                                        f"{scaling!r} is not supported")
+        if int(freqs.tensor_type) != 0 or int(np.prod(freqs.shape)) != head_dim // 2:
+            raise ModelLoadError(f"GGUF {a}: rope_freqs.weight must be {head_dim // 2} F32 "
+                                 f"values (head_dim / 2), got {list(freqs.shape)} of type "
+                                 f"{freqs.tensor_type.name}")
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ModelLoadError(f"GGUF {a}: rope_freqs.weight holds factors that are not "
+                                 "finite and positive")
+        config["rope_scaling"] = {"rope_type": "freq_factors",
+                                  "factors": [float(f) for f in factors]}
     return config
 
 
@@ -262,7 +288,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool,
     counts: tuple[Counter, Counter] = (Counter(), Counter())
     weights: dict[str, Weight] = {}
     for src, t in by_name.items():
-        weights[names[src]] = _tensor(t, dtype, keep_packed, counts)
+        if src != "rope_freqs.weight":   # read into the config (gguf_config)
+            weights[names[src]] = _tensor(t, dtype, keep_packed, counts)
     _check_required(arch, config, weights, names, path)
     if arch == "llama":  # undo the converter's rotary row permutation of Q and K
         for i in range(num_layers):

@@ -29,7 +29,7 @@ from tessellm.errors import ConfigError, UnsupportedModelError
 from tessellm.graph import ops
 from tessellm.graph.ir import ModelGraph
 from tessellm.models.spec import ModelSpec
-from tessellm.quant.formats import BLOCK, PackedWeight, row_bytes
+from tessellm.quant.formats import PackedWeight, row_bytes
 
 Weight = torch.Tensor | PackedWeight
 BuildGraph = Callable[[ModelSpec, dict[str, Any]], ModelGraph]
@@ -101,12 +101,13 @@ def _rows(w: Weight, start: int, stop: int) -> Weight:
 
 def _columns(w: Weight, start: int, stop: int, name: str) -> Weight:
     if isinstance(w, PackedWeight):
-        if start % BLOCK or stop % BLOCK:
+        bw = w.format.block_weights
+        if start % bw or stop % bw:
             raise ConfigError(f"tensor parallelism: {name} is packed ({w.format.name}) in "
-                              f"blocks of {BLOCK} input features; the split at {start}:{stop} "
+                              f"blocks of {bw} input features; the split at {start}:{stop} "
                               "cuts a block (use quantization='none')")
         per = w.format.block_bytes
-        data = w.data[:, start // BLOCK * per:stop // BLOCK * per].contiguous()
+        data = w.data[:, start // bw * per:stop // bw * per].contiguous()
         assert data.shape[1] == row_bytes(w.format, stop - start)
         return PackedWeight(data, w.format, stop - start, w.compute_dtype)
     return w[:, start:stop].contiguous()

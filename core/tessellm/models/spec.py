@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tessellm.errors import UnsupportedModelError
+from tessellm.models.rope_scaling import context_length, rope_cos_sin, scaling_type
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,33 +43,8 @@ class ModelSpec:
 
     def rope_cos_sin(self) -> torch.Tensor:
         """[max_position_embeddings, head_dim] float32: cos | sin of each position's angles."""
-        inv_freq = 1.0 / (self.rope_theta ** (
-            torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        inv_freq, attention_factor = _apply_rope_scaling(inv_freq, dict(self.rope_scaling))
-        t = torch.arange(self.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
-
-
-def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"]), 1.0
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low_ff, high_ff = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_ctx / low_ff, old_ctx / high_ff
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported "
-                                "(supported: default, linear, llama3)")
+        return rope_cos_sin(self.head_dim, self.rope_theta, self.max_position_embeddings,
+                            dict(self.rope_scaling))
 
 
 def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -85,7 +61,16 @@ def _rope_settings(config: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any]
     scaling = dict(config.get("rope_scaling") or {})
     if not scaling and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return theta, tuple(sorted(scaling.items()))
+    if scaling:
+        kind = scaling_type(scaling)
+        if kind == "dynamic":   # transformers scales from max_position_embeddings
+            scaling.setdefault("original_max_position_embeddings",
+                               int(config.get("max_position_embeddings", 2048)))
+        if kind == "yarn" and scaling.get("factor") is None:
+            scaling["factor"] = (int(config["max_position_embeddings"])
+                                 / float(scaling["original_max_position_embeddings"]))
+    return theta, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                               for k, v in scaling.items()))
 
 
 def llama_family_spec(config: dict[str, Any]) -> ModelSpec:
@@ -98,7 +83,7 @@ def llama_family_spec(config: dict[str, Any]) -> ModelSpec:
     heads = int(config["num_attention_heads"])
     theta, scaling = _rope_settings(config)
     is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
-    max_pos = int(config.get("max_position_embeddings", 2048))
+    max_pos = context_length(int(config.get("max_position_embeddings", 2048)), dict(scaling))
     window = config.get("sliding_window")
     if window and (config.get("use_sliding_window", arch == "MistralForCausalLM")) and window < max_pos:
         # Sliding-window attention is not implemented: cap the context so it never applies.

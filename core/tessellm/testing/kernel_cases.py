@@ -23,12 +23,12 @@ from tessellm.errors import KernelError
 from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
 from tessellm.kernels.examples import fill_unowned_slots, make_example
 from tessellm.kernels.registry import KernelQuery
-from tessellm.quant.formats import PACKED_FORMATS, quantize
+from tessellm.quant.formats import PACKED_FORMATS, packed_example
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROW_COUNTS = (0, 1, 7)                  # empty, single-token and a few-token batch
 HEADS = ((4, 4, 64), (4, 2, 80), (8, 2, 128), (8, 1, 64))   # (num_heads, num_kv_heads, head_dim)
-PACKED = tuple(PACKED_FORMATS.values())     # Q4_0, Q4_1, Q8_0
+PACKED = tuple(PACKED_FORMATS.values())     # legacy (blocks of 32) and K-quants (of 256)
 
 
 @dataclass(slots=True, frozen=True)
@@ -145,20 +145,22 @@ def _packed_cases(op: str) -> list[KernelCase]:
         for fmt in PACKED:
             for T in ROW_COUNTS:
                 if op in ("linear_packed", "linear_packed_q8act"):
-                    bias = int(fmt.name == "Q4_0")
-                    k = 96 if fmt.name == "Q4_1" else 64   # an odd number of blocks too
+                    bias = int(fmt.name in ("Q4_0", "Q6_K"))
+                    # an odd number of blocks too
+                    k = fmt.block_weights * (3 if fmt.name in ("Q4_1", "Q5_K") else 2)
                     dims = {"in_features": k, "out_features": 40, "bias": bias,
                             "qtype": fmt.ggml_type}
 
                     def build(g, fmt=fmt, dt=dt, T=T, bias=bias, k=k):
-                        w = quantize(torch.randn((40, k), generator=g) * 0.125, fmt, dt)
+                        w = packed_example(fmt, 40, k, g, scale=0.125, compute_dtype=dt)
                         return CaseInputs([_randn(g, (T, k), dt), w,
                                            _randn(g, (40,), dt) if bias else None])
                 else:
-                    dims = {"vocab": 30, "hidden": 64, "qtype": fmt.ggml_type}
+                    hidden = 2 * fmt.block_weights
+                    dims = {"vocab": 30, "hidden": hidden, "qtype": fmt.ggml_type}
 
-                    def build(g, fmt=fmt, dt=dt, T=T):
-                        w = quantize(torch.randn((30, 64), generator=g), fmt, dt)
+                    def build(g, fmt=fmt, dt=dt, T=T, hidden=hidden):
+                        w = packed_example(fmt, 30, hidden, g, compute_dtype=dt)
                         return CaseInputs([torch.randint(0, 30, (T,), generator=g), w])
                 out.append(_case(op, dt, T, dims, fmt.name, build))
     return out

@@ -93,7 +93,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
              ("attention_prefill", "prefill_native_paged", NativePrefill,
               "C, in-place paged reads, each query token causal over its sequence"),
              ("linear_packed", "linear_packed_native", NativePackedLinear,
-              "C, reads Q8_0/Q4_0/Q4_1 blocks in place"),
+              "C, reads Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks and Q4_K/Q5_K/Q6_K super-blocks in place"),
              ("linear_packed_q8act", "linear_q8act_vnni", NativeQ8ActLinear,
               "C, int8 dot products (AVX-512 VNNI), Q8_0/Q4_0/Q4_1 blocks in place"),
              ("embedding_packed", "embedding_packed_native", NativePackedEmbedding,

@@ -1,9 +1,10 @@
-"""Linears over packed GGML weights (Q8_0, Q4_0, Q4_1) as C kernels called through ctypes:
-the packed rows are read in place, activations in float32. Both kernels share one C
-signature, so one wrapper serves them:
-- `NativePackedLinear` (native/linear_packed.c, op linear_packed): float32 dot products;
+"""Linears over packed GGML weights as C kernels called through ctypes: the packed rows are
+read in place, activations in float32. Both kernels share one C signature, so one wrapper
+serves them:
+- `NativePackedLinear` (native/linear_packed.c, op linear_packed): float32 dot products over
+  the legacy blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants (Q4_K, Q5_K, Q6_K);
 - `NativeQ8ActLinear` (native/linear_q8act.c, op linear_packed_q8act): each 32-value input
-  block rounded to int8 first, then AVX-512 VNNI integer dot products.
+  block rounded to int8 first, then AVX-512 VNNI integer dot products (Q8_0, Q4_0, Q4_1).
 `NativePackedEmbedding` (linear_packed.c too, op embedding_packed) dequantizes the rows it
 reads."""
 from __future__ import annotations
@@ -17,16 +18,20 @@ from tessellm.plugin_api import KernelQuery, PackedWeight
 from tessellm_cpu.native_build import build_library, entry_point
 
 NATIVE = Path(__file__).with_name("native")
-SUPPORTED_TYPES = frozenset({2, 3, 8})  # GGML Q4_0, Q4_1, Q8_0
+# GGML Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+INT8_ACTIVATION_TYPES = frozenset({2, 3, 8})   # Q4_0, Q4_1, Q8_0
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _PackedLinearC:
     """`entry`(x, M, K, w, N, qtype, bias, out) -> 0, 1 (bad format or K), 2 (no memory)
-    of the C file `source`, offered up to `max_tokens` rows of x (None: any)."""
+    of the C file `source` for the GGML types `types`, offered up to `max_tokens` rows of x
+    (None: any)."""
 
     source: Path
     entry: str
+    types: frozenset[int]
     max_tokens: int | None = None
 
     def __init__(self) -> None:
@@ -38,13 +43,13 @@ class _PackedLinearC:
 
     def supports(self, query: KernelQuery) -> bool:
         return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and query.dim("qtype") in SUPPORTED_TYPES
+                and query.dim("qtype") in self.types
                 and (self.max_tokens is None or query.num_tokens <= self.max_tokens))
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         qtype = weight.format.ggml_type
-        if qtype not in SUPPORTED_TYPES:
+        if qtype not in self.types:
             raise TypeError(f"native {self.entry} does not read {weight.format.name}")
         data = weight.data
         if not (data.is_cpu and data.is_contiguous()):
@@ -69,7 +74,7 @@ class _PackedLinearC:
 
 
 class NativePackedLinear(_PackedLinearC):
-    source, entry = NATIVE / "linear_packed.c", "linear_packed_f32"
+    source, entry, types = NATIVE / "linear_packed.c", "linear_packed_f32", FLOAT_ACTIVATION_TYPES
     # It decodes each block once per tile of 4 rows in float32 FMAs, so past a hundred or so
     # rows dequantize-then-GEMM (oneDNN) wins (SmolLM2's 3072 x 576 Q4_1, 2 threads: 64 rows
     # 1.6 ms against 6.3, 128 rows 3.6 against 3.3, 256 rows 6.6 against 4.7).
@@ -77,7 +82,7 @@ class NativePackedLinear(_PackedLinearC):
 
 
 class NativeQ8ActLinear(_PackedLinearC):
-    source, entry = NATIVE / "linear_q8act.c", "linear_q8act_f32"
+    source, entry, types = NATIVE / "linear_q8act.c", "linear_q8act_f32", INT8_ACTIVATION_TYPES
 
 
 class NativePackedEmbedding:
@@ -95,11 +100,11 @@ class NativePackedEmbedding:
     @staticmethod
     def supports(query: KernelQuery) -> bool:
         return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and query.dim("qtype") in SUPPORTED_TYPES)
+                and query.dim("qtype") in FLOAT_ACTIVATION_TYPES)
 
     def __call__(self, ids: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         qtype = weight.format.ggml_type
-        if qtype not in SUPPORTED_TYPES:
+        if qtype not in FLOAT_ACTIVATION_TYPES:
             raise TypeError(f"native embedding_packed does not read {weight.format.name}")
         data = weight.data
         if not (data.is_cpu and data.is_contiguous() and ids.is_cpu):

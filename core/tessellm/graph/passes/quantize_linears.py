@@ -12,7 +12,7 @@ import logging
 
 from tessellm.graph import ops
 from tessellm.graph.ir import ModelGraph, linear_dims
-from tessellm.quant.formats import BLOCK, PackedFormat, quantize
+from tessellm.quant.formats import PackedFormat, quantize
 
 log = logging.getLogger(__name__)
 KEEP_DENSE_ROLES = frozenset({"lm_head"})
@@ -26,7 +26,7 @@ def quantize_linears(mg: ModelGraph, fmt: PackedFormat) -> ModelGraph:
         weight = mg.weights[w_node.target]
         if node.meta.get("role") in KEEP_DENSE_ROLES:
             continue
-        if weight.shape[1] % BLOCK:
+        if weight.shape[1] % fmt.block_weights:
             skipped += 1
             continue
         name = f"{w_node.target}.{fmt.name.lower()}"
@@ -41,5 +41,5 @@ def quantize_linears(mg: ModelGraph, fmt: PackedFormat) -> ModelGraph:
                                                      mg.weights[name]).items()))
     if skipped:
         log.info("quantize %s: %d linear(s) left dense (width not a multiple of %d)",
-                 fmt.name, skipped, BLOCK)
+                 fmt.name, skipped, fmt.block_weights)
     return mg
