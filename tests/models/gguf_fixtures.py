@@ -243,7 +243,8 @@ def write_gguf(out_path: str | Path, model: torch.nn.Module | str | Path, arch: 
                extra_tensors: Mapping[str, np.ndarray] | None = None,
                tokenizer_gguf: str | Path | None = None,
                architecture: str | None = None,
-               metadata: Mapping[str, tuple[Any, Any]] | None = None) -> Path:
+               metadata: Mapping[str, tuple[Any, Any]] | None = None,
+               raw_tensors: Mapping[str, tuple[np.ndarray, Any]] | None = None) -> Path:
     """Write `model` (a transformers model or an HF model directory) as a GGUF file of `arch`.
 
     qtype: a gguf.GGMLQuantizationType (or its name) for the matrices (see the module
@@ -252,7 +253,10 @@ def write_gguf(out_path: str | Path, model: torch.nn.Module | str | Path, arch: 
     tokenizer_gguf: where the tokenizer fields come from (default: by arch);
     architecture: the `general.architecture` (and metadata prefix) to write, when it should
     differ from `arch` (an unknown architecture); metadata: key -> (value,
-    GGUFValueType) written over the converter's keys, or key -> None to leave a key out.
+    GGUFValueType) written over the converter's keys, or key -> None to leave a key out;
+    raw_tensors: GGUF name -> (uint8 blocks [rows, row bytes], GGMLQuantizationType) stored
+    as given in place of the model's tensor (K-quants, which the gguf package cannot
+    quantize).
     """
     import gguf
     if arch not in ARCHS:
@@ -284,7 +288,10 @@ def write_gguf(out_path: str | Path, model: torch.nn.Module | str | Path, arch: 
             writer.add_key_value(key, *entry)
     kept = {name: w for name, w in tensors.items() if name not in omit}
     for name, w in {**kept, **(extra_tensors or {})}.items():
-        if qtype is not None and _quantizable(name, w):
+        if raw_tensors and name in raw_tensors:
+            blocks, raw_type = raw_tensors[name]
+            writer.add_tensor(name, np.ascontiguousarray(blocks), raw_dtype=raw_type)
+        elif qtype is not None and _quantizable(name, w):
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
@@ -383,3 +390,42 @@ def llama3_rope_factors(config: Any) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1.0 / ((1 - smooth) / factor + smooth))
     return np.asarray(out, dtype=np.float32)
+
+
+def split_gguf(src: str | Path, out_dir: str | Path, count: int,
+               stem: str | None = None) -> list[Path]:
+    """`src` written as llama.cpp's gguf-split writes it: `STEM-0000i-of-0000N.gguf`, the
+    first part with every metadata field, each part with split.no (0-based), split.count and
+    split.tensors.count, the tensors dealt out in order (raw, as stored)."""
+    import gguf
+    reader = gguf.GGUFReader(src)
+    tensors = list(reader.tensors)
+    arch = reader.fields["general.architecture"].contents()
+    stem = stem or Path(src).stem
+    per = -(-len(tensors) // count)
+    paths = []
+    for i in range(count):
+        path = Path(out_dir) / f"{stem}-{i + 1:05d}-of-{count:05d}.gguf"
+        writer = gguf.GGUFWriter(path, arch)
+        if i == 0:
+            for key, f in reader.fields.items():
+                if key.startswith("GGUF.") or key == "general.architecture":
+                    continue
+                array = f.types[0] == gguf.GGUFValueType.ARRAY
+                writer.add_key_value(key, f.contents(), f.types[0],
+                                     f.types[-1] if array else None)
+        writer.add_uint16("split.no", i)
+        writer.add_uint16("split.count", count)
+        writer.add_int32("split.tensors.count", len(tensors))
+        for t in tensors[i * per:(i + 1) * per]:
+            data = np.asarray(t.data)
+            if int(t.tensor_type) in (0, 1):   # F32 / F16: the values, in the file's shape
+                writer.add_tensor(t.name, data)
+            else:
+                writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths

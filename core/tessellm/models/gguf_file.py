@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tessellm.errors import ModelLoadError, UnsupportedModelError
+from tessellm.models.gguf_split import open_split, split_parts
 from tessellm.quant.formats import PACKED_FORMATS, PackedWeight
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,17 @@ class GGUFModel:
 
 
 def open_gguf(path: str | Path) -> Any:
-    """A GGUFReader over the file, or a ModelLoadError saying what is wrong with it."""
-    import gguf  # only GGUF users pay for the import
+    """A GGUFReader over the file (over all its parts for a split file, any part named:
+    tessellm.models.gguf_split), or a ModelLoadError saying what is wrong with it."""
     p = Path(path).expanduser()
+    parts = split_parts(p)
+    if parts is not None:
+        return open_split(parts, _open_one)
+    return _open_one(p)
+
+
+def _open_one(p: Path) -> Any:
+    import gguf  # only GGUF users pay for the import
     if not p.is_file():
         raise ModelLoadError(f"GGUF file {str(p)!r} does not exist")
     with p.open("rb") as fh:

