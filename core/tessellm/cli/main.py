@@ -233,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--regex", default=None, help="constrain the output to match this regex")
     g.set_defaults(func=cmd_generate)
 
+    cv = sub.add_parser("convert", help="write a Hugging Face safetensors model (Llama, "
+                        "Mistral, Qwen2/3) as a GGUF file that llama.cpp reads and quantizes")
+    cv.add_argument("model_dir", help="HF model directory (config.json, *.safetensors, "
+                    "tokenizer.model or tokenizer.json)")
+    cv.add_argument("out", help="the .gguf file to write")
+    cv.add_argument("--outtype", default="f16", choices=["f16", "bf16", "f32"],
+                    help="type of the matrices (norms stay f32)")
+    cv.set_defaults(func=cmd_convert)
+
     p = sub.add_parser("plugins", help="list every plugin found, its devices and status")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plugins)
@@ -361,6 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
     add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
     return ap
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from tessellm.models.gguf_convert import convert_hf_to_gguf
+    path = convert_hf_to_gguf(a.model_dir, a.out, a.outtype)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,64 @@
+"""`tessellm convert HF_DIR OUT.gguf`: the written file loads (float32, dequantized) and equals
+transformers on the HF checkpoint it came from: greedy tokens, and the file's tokenizer
+encodes as the directory's. Cases: Mistral with Llama 2's SentencePiece tokenizer (arch
+`llama`, Q/K rows permuted), Llama with Llama 3's BPE tokenizer and rope_type llama3 (written
+as `rope_freqs`), Qwen3 (BPE, q/k norms)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_fixtures import CASES, build_hf_model, save_model_dir
+from tessellm import LLM, SamplingParams
+from tessellm.cli.main import main as cli_main
+from tessellm.errors import UnsupportedModelError
+from tessellm.models.gguf_convert import convert_hf_to_gguf
+from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+
+TEXTS = ["Hello, my name is", "The capital of France is Paris. The capital of Germany is"]
+N = 20
+
+
+@pytest.mark.parametrize("name", ["mistral", "llama_rope3", "qwen3"])
+def test_converted_file_equals_transformers(name: str, tmp_path: Path, capsys) -> None:
+    case = CASES[name]
+    tok = case.tokenizer()
+    hf = build_hf_model(case, tok)
+    hf.generation_config.eos_token_id = None
+    model_dir = save_model_dir(hf, tok, tmp_path / name)
+    out = tmp_path / f"{name}.gguf"
+    assert cli_main(["convert", str(model_dir), str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = gguf_config(open_gguf(out))
+    if name == "llama_rope3":
+        assert config["rope_scaling"]["rope_type"] == "freq_factors"
+    gg = load_gguf(out, torch.float32, keep_packed=True)
+    state = {k: v for k, v in hf.state_dict().items()
+             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)
+             and not k.endswith("inv_freq")}
+    for k, v in state.items():   # F16 matrices: the HF numbers rounded to half precision
+        assert torch.equal(gg.weights[k], v.half().float() if v.dim() == 2 else v), k
+    llm = LLM(model=str(out), device="cpu", dtype="float32", quantization="none",
+              load_progress=False, num_kv_blocks=64, max_num_seqs=4)
+    half = type(hf).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():   # transformers on the same F16-rounded matrices
+        for p in half.parameters():
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+    half.generation_config.eos_token_id = None
+    for text in TEXTS:
+        ids = tok(text).input_ids
+        assert llm.encode(text) == ids, text
+        want = half.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=N, min_new_tokens=N)[0, len(ids):].tolist()
+        got = llm.generate([ids], SamplingParams(max_tokens=N, temperature=0.0,
+                                                 ignore_eos=True))[0].token_ids
+        assert got == want, text
+
+
+def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["GemmaForCausalLM"]}')
+    with pytest.raises(UnsupportedModelError, match="GemmaForCausalLM"):
+        convert_hf_to_gguf(tmp_path, tmp_path / "x.gguf")
