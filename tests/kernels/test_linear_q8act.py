@@ -3,7 +3,7 @@
 The reference rounds each 32-value block of the input as Q8_0 does (d = max|x| / 127, half to
 even) and multiplies by the dequantized weight in float32. The CPU plugin's C kernel (AVX-512
 VNNI integer dot products over the GGUF blocks read in place) equals it up to float32 rounding
-for Q8_0, Q4_0 and Q4_1, any row count, an odd number of blocks and output features not a
+for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (the K-quants: test_k_quants.py), any row count, an odd number of blocks and output features not a
 multiple of its 4-row groups; it is not the float product (the rounding is real)."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def native():
         pytest.skip(f"native q8act kernel unavailable here: {e}")
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 @pytest.mark.parametrize("m, n, k", [(1, 13, 64), (1, 576, 576), (3, 7, 96), (17, 9, 32 * 33),
                                      (5, 130, 32 * 19)])
 def test_native_kernel_equals_the_reference(native, fmt, m, n, k):
@@ -58,7 +58,7 @@ def test_bfloat16_input_comes_back_in_bfloat16(native):
     torch.testing.assert_close(out, ref.linear_packed_q8act(x, w), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_rows_tiled_together_equal_rows_one_at_a_time(native, fmt):
     """The kernel tiles 4 rows of x against each group of weight rows (prefill); every output
     is computed by the same operations in the same order as for a lone row, so the two agree

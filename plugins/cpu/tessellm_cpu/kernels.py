@@ -95,7 +95,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
              ("linear_packed", "linear_packed_native", NativePackedLinear,
               "C, reads Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks and Q4_K/Q5_K/Q6_K super-blocks in place"),
              ("linear_packed_q8act", "linear_q8act_vnni", NativeQ8ActLinear,
-              "C, int8 dot products (AVX-512 VNNI), Q8_0/Q4_0/Q4_1 blocks in place"),
+              "C, int8 dot products (AVX-512 VNNI), legacy blocks and K-quant super-blocks in place"),
              ("embedding_packed", "embedding_packed_native", NativePackedEmbedding,
               "C, the rows read dequantized to float32"),
              ("rotary_embedding", "rotary_native", NativeRotary, "C, one pass per token"),

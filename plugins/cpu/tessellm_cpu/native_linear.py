@@ -4,7 +4,7 @@ serves them:
 - `NativePackedLinear` (native/linear_packed.c, op linear_packed): float32 dot products over
   the legacy blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants (Q4_K, Q5_K, Q6_K);
 - `NativeQ8ActLinear` (native/linear_q8act.c, op linear_packed_q8act): each 32-value input
-  block rounded to int8 first, then AVX-512 VNNI integer dot products (Q8_0, Q4_0, Q4_1).
+  block rounded to int8 first, then AVX-512 VNNI integer dot products (the same types).
 `NativePackedEmbedding` (linear_packed.c too, op embedding_packed) dequantizes the rows it
 reads."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tessellm_cpu.native_build import build_library, entry_point
 NATIVE = Path(__file__).with_name("native")
 # GGML Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 FLOAT_ACTIVATION_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
-INT8_ACTIVATION_TYPES = frozenset({2, 3, 8})   # Q4_0, Q4_1, Q8_0
+INT8_ACTIVATION_TYPES = FLOAT_ACTIVATION_TYPES
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 

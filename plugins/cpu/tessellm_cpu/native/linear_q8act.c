@@ -7,8 +7,11 @@
  *
  * Weights are the GGUF blocks, read in place (tessellm.quant.formats): Q8_0 (fp16 d, s8 q[32]:
  * w = d q), Q4_0 (fp16 d, nibbles: w = d (q - 8), i.e. m = -8 d), Q4_1 (fp16 d, fp16 m,
- * nibbles: w = d q + m); weight j < 16 of a 4-bit block is the low nibble of byte j, weight
- * j + 16 its high nibble. The scales of 16 blocks are gathered at once.
+ * nibbles: w = d q + m), Q5_0 / Q5_1 (as Q4_0 / Q4_1 with a fifth bit per weight in u32 qh,
+ * m = -16 d for Q5_0); weight j < 16 of a 4/5-bit block is the low nibble of byte j, weight
+ * j + 16 its high nibble. The scales of 16 blocks are gathered at once. K-quant super-blocks
+ * (k_quant_blocks.h) are read as 8 blocks of 32 with a scale and offset each (Q4_K, Q5_K:
+ * d sc and -dmin m) or as 16-weight groups of signed levels (Q6_K: d sc (q - 32)).
  * Per block: sum_j w_j xq_j dx = dx d (q . xq) + m dx (sum xq): the integer dot product is
  * exact, the scaling is float32, so the result equals the float32 product of the two
  * dequantized operands up to rounding. Work: OpenMP over groups of NR output features; each
@@ -21,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "k_quant_blocks.h"
 #include "packed_blocks.h"
 #include "prefetch.h"
 
@@ -95,7 +99,9 @@ INLINE __m512i pair_lanes(int j, int interleave) {
  * on how rows are tiled. */
 INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
                     int64_t n0, int nr, float *res) {
-    const int64_t bb = qtype == Q4_1 ? 20 : 18, qoff = qtype == Q4_1 ? 4 : 2;
+    const int64_t bb = block_bytes(qtype);
+    const int64_t qoff = qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 8;
+    const int five = qtype == Q5_0 || qtype == Q5_1;
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
@@ -113,7 +119,7 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
         }
         for (int64_t p = 0; p < ng; p += 2) {
-            const __m512i lanes = pair_lanes((int)(p / 2), 1);
+            const __m512i lanes = pair_lanes((int)(p / 2), !five);
             const int has_b = p + 1 < ng;
             __m512i xv[MR];
             __m512 sdx[MR];   /* the scales in the dot product's lanes: d dx = (d) (dx) */
@@ -130,7 +136,19 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
                 const __m256i lo = _mm256_and_si256(q, nib);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
-                const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                __m512i wq;
+                if (five) {   /* blocks in order (A0-31 B0-31), + 16 where qh says */
+                    uint32_t ha, hb = 0;
+                    memcpy(&ha, a - 4, 4);
+                    if (has_b) memcpy(&hb, a + bb - 4, 4);
+                    wq = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+                    wq = _mm512_mask_add_epi8(wq, (__mmask64)((uint64_t)ha | ((uint64_t)hb << 32)),
+                                              wq, _mm512_set1_epi8(16));
+                } else {
+                    wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                }
                 for (int i = 0; i < mr; i++) {
                     const __m512 s = _mm512_mul_ps(sd, sdx[i]);
                     const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv[i]);
@@ -189,15 +207,141 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
+/* As q4_tile for Q4_K / Q5_K rows (x in block order): a group of 16 blocks is two
+ * super-blocks, whose 8 blocks each have d_c = d sc and o_c = -dmin m (the offset term
+ * o_c dx sum(xq)); pair p of a super-block is the low (block 2p) and high (2p + 1) nibbles of
+ * the same 32 bytes, plus for Q5_K bits 2p and 2p + 1 of qh as the fifth bits. */
+INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
+                    int64_t n0, int nr, float *res) {
+    const int64_t sbb = block_bytes(qtype);
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int64_t ng = nb - g < 16 ? nb - g : 16;   /* 8 or 16 */
+        __m512 dx[MR], d[NR];
+        for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
+        for (int r = 0; r < nr; r++) {
+            float ds[16] = {0}, os[16] = {0};
+            for (int64_t s = 0; s * 8 < ng; s++)
+                k_quant_block_scales(w + (n0 + r) * row + (g / 8 + s) * sbb, qtype, ds + 8 * s,
+                                     os + 8 * s);
+            d[r] = _mm512_loadu_ps(ds);
+            const __m512 o = _mm512_loadu_ps(os);
+            for (int i = 0; i < mr; i++)
+                acc[r][i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
+        }
+        for (int64_t j = 0; j < ng / 2; j++) {
+            const __m512i lanes = pair_lanes((int)j, 0);
+            const int64_t sb = g / 8 + j / 4;
+            const int p = (int)(j % 4);
+            __m512i xv[MR];
+            __m512 sdx[MR];
+            for (int i = 0; i < mr; i++) {
+                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + 2 * j) * QK);
+                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
+            }
+            for (int r = 0; r < nr; r++) {
+                const __m512 sd = _mm512_permutexvar_ps(lanes, d[r]);
+                const uint8_t *base = w + (n0 + r) * row + sb * sbb;
+                const __m256i q = _mm256_loadu_si256(
+                    (const __m256i *)(base + (qtype == Q5_K ? 48 : 16) + 32 * p));
+                __m256i lo = _mm256_and_si256(q, nib);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
+                if (qtype == Q5_K) {
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(base + 16));
+                    const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p)), one);
+                    const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p + 1)), one);
+                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
+                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+                }
+                const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                for (int i = 0; i < mr; i++) {
+                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv[i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* As q8_tile for Q6_K rows (x in block order): the levels q - 32 are signed bytes (their sign
+ * moved onto x), and each 16 weights have their own d sc: the dot product's lanes of pair p
+ * (4 lanes = 16 weights) take d sc[4p .. 4p + 3] times their block's dx. */
+INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
+                     int64_t n0, int nr, float *res) {
+    const int64_t sbb = block_bytes(Q6_K);
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t g = 0; g < nb; g += 8) {   /* a super-block at a time */
+        const int64_t sb = g / 8;
+        __m512 dx[MR], dsc[NR];
+        for (int i = 0; i < mr; i++) dx[i] = _mm512_maskz_loadu_ps(0xff, xr[i].dx + g);
+        for (int r = 0; r < nr; r++) {
+            float ds[16], unused[8];
+            k_quant_block_scales(w + (n0 + r) * row + sb * sbb, Q6_K, ds, unused);
+            dsc[r] = _mm512_loadu_ps(ds);
+        }
+        for (int p = 0; p < 4; p++) {
+            const __m512i lanes = pair_lanes(p, 0);
+            const __m512i groups = _mm512_srli_epi32(
+                _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                 _mm512_set1_epi32(16 * p)), 2);   /* lane -> 16-weight group */
+            __m512i xv[MR];
+            __m512 sdx[MR];
+            for (int i = 0; i < mr; i++) {
+                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + 2 * p) * QK);
+                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
+            }
+            for (int r = 0; r < nr; r++) {
+                const __m512 sd = _mm512_permutexvar_ps(groups, dsc[r]);
+                const uint8_t *base = w + (n0 + r) * row + sb * sbb;
+                const int h = p >> 1, s4 = 4 * (p & 1);
+                const uint8_t *ql = base + 64 * h, *qh = base + 128 + 32 * h;
+                const __m512i nibs = _mm512_and_si512(
+                    _mm512_srl_epi16(_mm512_loadu_si512((const void *)ql), _mm_cvtsi32_si128(s4)),
+                    _mm512_set1_epi8(0x0f));
+                const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
+                const __m512i hh = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(s4))),
+                    _mm256_srl_epi16(hv, _mm_cvtsi32_si128(s4 + 2)), 1);
+                const __m512i q = _mm512_sub_epi8(
+                    _mm512_or_si512(nibs, _mm512_and_si512(_mm512_slli_epi16(hh, 4),
+                                                           _mm512_set1_epi8(0x30))),
+                    _mm512_set1_epi8(32));
+                const __mmask64 neg = _mm512_movepi8_mask(q);
+                const __m512i aq = _mm512_abs_epi8(q);
+                for (int i = 0; i < mr; i++) {
+                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
+                    const __m512i xs = _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]);
+                    const __m512i dot = _mm512_dpbusd_epi32(zero, aq, xs);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
 /* Rows i0 .. i0 + mr - 1 of x against weight rows n0 .. n0 + nr - 1, into out (+ bias). */
 INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uint8_t *w,
                      int64_t row, int qtype, int64_t n0, int nr, const float *bias, float *out,
                      int64_t N) {
     float res[NR * MR];
-    if (qtype == Q8_0)
-        q8_tile(rows + i0, mr, nb, w, row, n0, nr, res);
-    else
-        q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res);
+    switch (qtype) {
+    case Q8_0: q8_tile(rows + i0, mr, nb, w, row, n0, nr, res); break;
+    case Q4_K: kq_tile(rows + i0, mr, nb, w, row, Q4_K, n0, nr, res); break;
+    case Q5_K: kq_tile(rows + i0, mr, nb, w, row, Q5_K, n0, nr, res); break;
+    case Q6_K: q6k_tile(rows + i0, mr, nb, w, row, n0, nr, res); break;
+    default: q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res); break;
+    }
     for (int i = 0; i < mr; i++)
         for (int r = 0; r < nr; r++)
             out[(i0 + i) * N + n0 + r] = res[r * MR + i] + (bias ? bias[n0 + r] : 0.f);
@@ -206,13 +350,12 @@ INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uin
 /* Returns 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated. */
 int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                      int qtype, const float *bias, float *out) {
-    if ((qtype != Q4_0 && qtype != Q4_1 && qtype != Q8_0) || K <= 0 || K % QK != 0 || M < 0 ||
-        N < 0)
+    if (block_bytes(qtype) == 0 || K <= 0 || K % block_weights(qtype) != 0 || M < 0 || N < 0)
         return 1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK;
-    const int64_t row = nb * block_bytes(qtype);
-    const int interleave = qtype != Q8_0;
+    const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
+    const int interleave = qtype == Q4_0 || qtype == Q4_1;   /* their pairs' nibble order */
     const size_t per_row = round_up((int64_t)row_bytes(nb), 64);
     uint8_t *scratch = aligned_alloc(64, per_row * (size_t)M);
     if (!scratch) return 2;
