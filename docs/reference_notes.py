@@ -30,8 +30,9 @@ max_queue: 64
 """
 
 ENGINE_NOTES = MappingProxyType({
-    "quantization": "weights in memory: `auto` keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors "
-                    "packed (other types are dequantized at load) and loads safetensors as is; "
+    "quantization": "weights in memory: `auto` keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 "
+                    "and K-quant (Q4_K/Q5_K/Q6_K) tensors packed (other types are dequantized "
+                    "at load) and loads safetensors as is; "
                     "`none` dequantizes everything to the compute dtype; `int8` (= `q8_0`), "
                     "`q4_0`, `q4_1` quantize a safetensors model's linears weight-only at load",
     "dtype": "compute dtype; `auto` is the checkpoint's (float32 for GGUF files)",

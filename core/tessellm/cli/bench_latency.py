@@ -85,6 +85,7 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         "quantization": parts.config.quantization, "threads": torch.get_num_threads(),
         "in_len": a.input_len, "out_len": a.output_len, "runs": a.runs,
         "load_s": round(load_s, 2), "weight_bytes": parts.weight_bytes,
+        "kv_cache_bytes": sum(t.numel() * t.element_size() for t in parts.kv_caches),
         "rss_after_load_bytes": rss, **med, **per_run,
         **({"profile": profile} if profile is not None else {}),
     }

@@ -19,7 +19,7 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--gguf-file", default=None, help="which .gguf file of a repo or directory")
     p.add_argument("--quantization", default=None,
                    choices=["auto", "none", "int8", "q8_0", "q4_0", "q4_1"],
-                   help="auto: GGUF Q8_0/Q4_0/Q4_1 stay packed; none: dequantize at load; "
+                   help="auto: GGUF legacy and K-quant tensors stay packed; none: dequantize at load; "
                         "int8|q8_0|q4_0|q4_1: quantize a safetensors model's linears at load")
     p.add_argument("--packed-activations", default=None, choices=["float", "q8_0"],
                    help="q8_0: packed linears round their input to int8 blocks and use integer "

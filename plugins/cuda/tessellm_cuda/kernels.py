@@ -7,8 +7,8 @@ from tessellm_cuda.torch_ops import TORCH_ALTERNATIVES, TORCH_ONLY
 
 
 def triton_kernel_list(device: str) -> list[Kernel]:
-    from tessellm_cuda.triton_ops import (activations, attention, kv_cache, norms, rotary,
-                                          sampling, token_bitmask)
+    from tessellm_cuda.triton_ops import (activations, attention, kv_cache, norms,
+                                          packed_linear, rotary, sampling, token_bitmask)
     supports = getattr(attention, "supports", None)
     extra = {"supports": supports} if supports is not None else {}
     return [
@@ -28,6 +28,10 @@ def triton_kernel_list(device: str) -> list[Kernel]:
         Kernel("sample_tokens", "sample_triton", sampling.sample_tokens, device,
                description="Triton, one program per row over vocab chunks; top-k / top-p "
                            "cut-offs by binary search on the float bits"),
+        Kernel("linear_packed", "linear_packed_triton", packed_linear.linear_packed, device,
+               supports=lambda q: packed_linear.supports_qtype(q.dim("qtype")),
+               description="Triton, GGUF blocks and K-quant super-blocks dequantized in "
+                           "registers; a GEMV up to 8 rows, tl.dot tiles past"),
         Kernel("apply_token_bitmask", "token_bitmask_triton", token_bitmask.apply_token_bitmask,
                device, description="Triton, one program per (row, 1024 tokens), bits by "
                                    "shifts"),
