@@ -274,3 +274,16 @@ def test_llm_takes_repo_ids_directly(hf_cache):
         llm = LLM(model, device="cpu", dtype="float32", load_progress=False, **extra)
         assert llm.engine.parts.source.name == model  # the id the server reports
         assert llm.generate(["Once upon a time"], params)[0].token_ids == expected
+
+
+def test_a_split_gguf_of_a_cached_repo_fetches_every_part(hf_cache):
+    parts = {f"m/model-Q4_K_M-{i:05d}-of-00003.gguf": f"GGUF part {i}".encode()
+             for i in (1, 2, 3)}
+    snapshot = cache_repo(hf_cache, "tiny/split-GGUF", parts)
+    path = resolve_hub_model("tiny/split-GGUF", gguf_file="m/model-Q4_K_M-00002-of-00003.gguf")
+    assert path == snapshot / "m/model-Q4_K_M-00001-of-00003.gguf"
+    del parts["m/model-Q4_K_M-00003-of-00003.gguf"]
+    cache_repo(hf_cache, "tiny/split-missing", parts)
+    with pytest.raises(ModelLoadError, match=r"'m/model-Q4_K_M-00003-of-00003\.gguf' is not in "
+                       r"the cached snapshot"):
+        resolve_hub_model("tiny/split-missing", gguf_file="m/model-Q4_K_M-00001-of-00003.gguf")

@@ -159,27 +159,29 @@ def _no_safetensors(repo_id: str, revision: str | None, ggufs: list[str],
 
 
 def _gguf_file(repo_id: str, revision: str | None, gguf_file: str, offline: bool) -> Path:
+    """The local path of `gguf_file`; for a part of a split file (`-0000i-of-0000N.gguf`)
+    every part is fetched and the first one's path returned."""
+    from tessellm.models.gguf_split import split_parts
+
+    local = _repo_file(repo_id, revision, gguf_file, offline)
+    parts = split_parts(Path(gguf_file))
+    if parts is None:
+        return local
+    return [_repo_file(repo_id, revision, str(part), offline) for part in parts][0]
+
+
+def _repo_file(repo_id: str, revision: str | None, name: str, offline: bool) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
 
-    from tessellm.models.gguf_split import split_parts
-
     try:
-        local = Path(hf_hub_download(repo_id, gguf_file, revision=revision,
-                                     local_files_only=offline, library_name="tessellm"))
-        parts = split_parts(Path(gguf_file))
-        if parts is None:
-            return local
-        # a split file: every part (named as the one asked for), the first returned
-        paths = [Path(hf_hub_download(repo_id, str(part), revision=revision,
-                                      local_files_only=offline, library_name="tessellm"))
-                 for part in parts]
-        return paths[0]
+        return Path(hf_hub_download(repo_id, name, revision=revision,
+                                    local_files_only=offline, library_name="tessellm"))
     except RemoteEntryNotFoundError:
         listing = _list_files(repo_id, revision) or []
         ggufs = sorted(f for f in listing if f.endswith(".gguf"))
         raise ModelLoadError(
-            f"{_where(repo_id, revision)} has no file {gguf_file!r}; its .gguf files: "
+            f"{_where(repo_id, revision)} has no file {name!r}; its .gguf files: "
             f"{', '.join(ggufs) or 'none'}") from None
     except LocalEntryNotFoundError:
         snapshot = _cached_snapshot(repo_id, revision)
@@ -187,7 +189,7 @@ def _gguf_file(repo_id: str, revision: str | None, gguf_file: str, offline: bool
             raise
         ggufs = sorted(str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf"))
         raise ModelLoadError(
-            f"{gguf_file!r} is not in the cached snapshot of {_where(repo_id, revision)} in "
+            f"{name!r} is not in the cached snapshot of {_where(repo_id, revision)} in "
             f"{hub_cache_dir()}" + (" and HF_HUB_OFFLINE is set" if offline else "")
             + f"; cached .gguf files: {', '.join(ggufs) or 'none'}") from None
 
