@@ -6,29 +6,40 @@ as `rope_freqs`); Qwen3 (BPE, q/k norms) is checked on its weights and config on
 its 151k-token tokenizer from the file takes ~30 s; the BPE path is the Llama 3 case's)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_fixtures import CASES, build_hf_model, save_model_dir
+from hf_fixtures import CASES, TOKENIZERS, build_hf_model, save_model_dir
 from tessellm import LLM, SamplingParams
 from tessellm.cli.main import main as cli_main
 from tessellm.errors import UnsupportedModelError
 from tessellm.models.gguf_convert import convert_hf_to_gguf
 from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
 
-TEXTS = ["Hello, my name is", "The capital of France is Paris. The capital of Germany is"]
+LLAMA2_SPM = TOKENIZERS / "llama2" / "tokenizer.model"
+TEXTS = ["Hello, my name is", "The capital of France is Paris. The capital of Germany is",
+         "naïve café: 3.14159 + 2 = 5.14159 — 東京 🙂\n\tdef f(x): return x**2"]
+# (not a leading run of spaces: transformers' tokenizer built from a SentencePiece GGUF, the
+# one tessellm uses for every such file, splits "  x" as "▁" "▁x" where sentencepiece gives
+# "▁▁" "x", since Llama 2 scores "▁▁" at -1e9)
 N = 20
 
 
-@pytest.mark.parametrize("name", ["mistral", "llama_rope3", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "mistral_spm", "llama_rope3", "qwen3"])
 def test_converted_file_equals_transformers(name: str, tmp_path: Path, capsys) -> None:
-    case = CASES[name]
+    """mistral: the tokenizer as transformers saves it (tokenizer.json only: SentencePiece BPE
+    with byte fallback); mistral_spm: with Llama 2's tokenizer.model beside it (read by
+    sentencepiece: pieces, scores, types)."""
+    case = CASES[name.removesuffix("_spm")]
     tok = case.tokenizer()
     hf = build_hf_model(case, tok)
     hf.generation_config.eos_token_id = None
     model_dir = save_model_dir(hf, tok, tmp_path / name)
+    if name.endswith("_spm"):
+        shutil.copy(LLAMA2_SPM, model_dir / "tokenizer.model")
     out = tmp_path / f"{name}.gguf"
     assert cli_main(["convert", str(model_dir), str(out)]) == 0
     assert "wrote" in capsys.readouterr().out

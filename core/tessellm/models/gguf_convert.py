@@ -10,7 +10,7 @@ Invariants:
   `rope_freqs` tensor, linear and yarn scalings their `rope.scaling.*` keys, others refused;
 - the tokenizer from the directory: SentencePiece (tokenizer.model: pieces, scores, types;
   `tokenizer.ggml.model = llama`; a SentencePiece BPE saved only as tokenizer.json, with
-  byte fallback, the same with each piece's score -id), or byte-level BPE (tokenizer.json:
+  byte fallback, the same with each merged piece's score minus its merge's rank), or byte-level BPE (tokenizer.json:
   vocab, merges; `gpt2` with the pre-tokenizer of the family: `llama-bpe` for Llama 3,
   `qwen2` for Qwen);
   the chat template and BOS/EOS ids from tokenizer_config.json / config.json.
@@ -147,9 +147,14 @@ def _add_tokenizer(writer: Any, model_dir: Path, arch: str, config: dict[str, An
                         types.USER_DEFINED if i in added else types.NORMAL)
         if model.get("byte_fallback"):
             # a SentencePiece BPE saved as tokenizer.json (Llama 2, Mistral): llama.cpp's
-            # `llama` vocabulary, whose merges follow the scores (a piece's rank: -id)
+            # `llama` vocabulary, whose merges follow the scores (the merge ranks)
             unk = model.get("unk_token")
-            scores = [0.0 if i in added else -float(i) for i in range(size)]
+            scores = [0.0] * size     # a merged piece: minus its merge's rank (1-based)
+            for rank, merge in enumerate(model.get("merges", [])):
+                a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+                i = vocab.get(a + b)
+                if i is not None and i not in added and scores[i] == 0.0:
+                    scores[i] = -float(rank + 1)
             for i, text in enumerate(tokens):
                 if text == unk:
                     kinds[i] = types.UNKNOWN
