@@ -98,3 +98,9 @@ def test_a_truncated_part_is_named(parts: list[Path], tmp_path: Path) -> None:
     truncated_copy(parts[2], cut, parts[2].stat().st_size - 100)
     with pytest.raises(ModelLoadError, match=r"llama-q8-00003-of-00003\.gguf.*truncated"):
         open_gguf(tmp_path / parts[0].name)
+
+
+def test_a_split_into_one_part_is_a_plain_file(single: Path, tmp_path: Path) -> None:
+    one = tmp_path / "llama-00001-of-00001.gguf"
+    shutil.copy(single, one)      # no split metadata: read as the plain file it is
+    assert len(open_gguf(one).tensors) == len(open_gguf(single).tensors)

@@ -22,9 +22,9 @@ SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$
 
 def split_parts(path: Path) -> list[Path] | None:
     """The paths of every part of the split file `path` names (in order), or None when the
-    name is not a part's."""
+    name is not a part's (or a split into one part: a plain file)."""
     m = SPLIT_NAME.match(path.name)
-    if m is None or int(m["count"]) < 1:
+    if m is None or int(m["count"]) < 2:
         return None
     count = int(m["count"])
     return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf")
