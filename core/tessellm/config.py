@@ -22,9 +22,10 @@ class EngineConfig(BaseModel):
     gguf_file: str | None = Field(None, description="which .gguf file of a hub repo (or of a "
                                   "directory holding several) to load")
     # Weight format in memory: "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 and K-quant
-    # (Q4_K/Q5_K/Q6_K) tensors packed (other types are dequantized at load) and loads safetensors as is; "none" dequantizes everything
-    # to the compute dtype; "int8" (= "q8_0"), "q4_0", "q4_1" quantize the linear weights
-    # weight-only at load (GGUF block formats: 32 weights per block with their scale).
+    # (Q4_K/Q5_K/Q6_K) tensors packed (other types are dequantized at load) and loads
+    # safetensors as is; "none" dequantizes everything to the compute dtype; "int8" (= "q8_0"),
+    # "q4_0", "q4_1" quantize the linear weights weight-only at load (GGUF block formats: 32
+    # weights per block with their scale).
     quantization: Literal["auto", "none", "int8", "q8_0", "q4_0", "q4_1"] = "auto"
     packed_activations: Literal["float", "q8_0"] = Field(
         "float", description="how packed linears take their input: float (exact: the float32 "

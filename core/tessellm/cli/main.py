@@ -19,8 +19,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--gguf-file", default=None, help="which .gguf file of a repo or directory")
     p.add_argument("--quantization", default=None,
                    choices=["auto", "none", "int8", "q8_0", "q4_0", "q4_1"],
-                   help="auto: GGUF legacy and K-quant tensors stay packed; none: dequantize at load; "
-                        "int8|q8_0|q4_0|q4_1: quantize a safetensors model's linears at load")
+                   help="auto: GGUF legacy and K-quant tensors stay packed; none: dequantize "
+                        "at load; int8|q8_0|q4_0|q4_1: quantize a safetensors model's linears "
+                        "at load")
     p.add_argument("--packed-activations", default=None, choices=["float", "q8_0"],
                    help="q8_0: packed linears round their input to int8 blocks and use integer "
                         "dot products (llama.cpp's way; changes results slightly)")
@@ -233,14 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--regex", default=None, help="constrain the output to match this regex")
     g.set_defaults(func=cmd_generate)
 
-    cv = sub.add_parser("convert", help="write a Hugging Face safetensors model (Llama, "
-                        "Mistral, Qwen2/3) as a GGUF file that llama.cpp reads and quantizes")
-    cv.add_argument("model_dir", help="HF model directory (config.json, *.safetensors, "
-                    "tokenizer.model or tokenizer.json)")
-    cv.add_argument("out", help="the .gguf file to write")
-    cv.add_argument("--outtype", default="f16", choices=["f16", "bf16", "f32"],
-                    help="type of the matrices (norms stay f32)")
-    cv.set_defaults(func=cmd_convert)
+    from tessellm.cli.convert import add_parser as add_convert
+    add_convert(sub)
 
     p = sub.add_parser("plugins", help="list every plugin found, its devices and status")
     p.add_argument("--json", action="store_true")
@@ -370,13 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
     add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
     return ap
-
-
-def cmd_convert(a: argparse.Namespace) -> int:
-    from tessellm.models.gguf_convert import convert_hf_to_gguf
-    path = convert_hf_to_gguf(a.model_dir, a.out, a.outtype)
-    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,9 +10,9 @@ Invariants:
   `rope_freqs` tensor, linear and yarn scalings their `rope.scaling.*` keys, others refused;
 - the tokenizer from the directory: SentencePiece (tokenizer.model: pieces, scores, types;
   `tokenizer.ggml.model = llama`; a SentencePiece BPE saved only as tokenizer.json, with
-  byte fallback, the same with each merged piece's score minus its merge's rank), or byte-level BPE (tokenizer.json:
-  vocab, merges; `gpt2` with the pre-tokenizer of the family: `llama-bpe` for Llama 3,
-  `qwen2` for Qwen);
+  byte fallback, the same with each merged piece's score minus its merge's rank), or
+  byte-level BPE (tokenizer.json: vocab, merges; `gpt2` with the pre-tokenizer of the
+  family: `llama-bpe` for Llama 3, `qwen2` for Qwen);
   the chat template and BOS/EOS ids from tokenizer_config.json / config.json.
 Refused with a clear error: other architectures, other tokenizers, tied heads that are not
 tied in config, missing tensors.

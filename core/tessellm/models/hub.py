@@ -163,10 +163,9 @@ def _gguf_file(repo_id: str, revision: str | None, gguf_file: str, offline: bool
     every part is fetched and the first one's path returned."""
     from tessellm.models.gguf_split import split_parts
 
-    local = _repo_file(repo_id, revision, gguf_file, offline)
     parts = split_parts(Path(gguf_file))
     if parts is None:
-        return local
+        return _repo_file(repo_id, revision, gguf_file, offline)
     return [_repo_file(repo_id, revision, str(part), offline) for part in parts][0]
 
 

@@ -85,7 +85,8 @@ def _yarn(theta: float, head_dim: int, s: dict[str, Any]) -> tuple[torch.Tensor,
                        0, 1)
     pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     extrapolation = 1 - ramp       # share of the unscaled frequency, per dimension pair
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = ((1.0 / (factor * pos_freqs)) * (1 - extrapolation)
+                + (1.0 / pos_freqs) * extrapolation)
     return inv_freq, float(attention)
 
 
@@ -131,6 +132,7 @@ def context_length(max_position_embeddings: int, scaling: dict[str, Any]) -> int
     factor (never below the config's max_position_embeddings)."""
     kind = scaling_type(scaling)
     if kind in ("dynamic", "yarn"):
-        stretched = int(float(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
+        original = float(scaling["original_max_position_embeddings"])
+        stretched = int(original * float(scaling["factor"]))
         return max(max_position_embeddings, stretched)
     return max_position_embeddings

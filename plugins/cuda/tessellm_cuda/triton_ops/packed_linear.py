@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tessellm.quant.formats import PackedWeight
+from tessellm.quant.formats import PACKED_FORMATS, PackedWeight
 
-# GGML type ids (tessellm.quant.formats)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
-SUPPORTED_TYPES = frozenset({Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K})
+# every GGML type id tessellm keeps packed; `_dequant_tile` branches on them (the ids are
+# literals there: a Triton constexpr cannot read a Python dict)
+SUPPORTED_TYPES = frozenset(PACKED_FORMATS)
 GEMV_MAX_ROWS = 8
 
 
