@@ -1,9 +1,28 @@
-"""tessellm: a hardware-neutral LLM inference engine with device plugins."""
+"""tessellm: a hardware-neutral LLM inference engine with device plugins.
+
+The public names are imported on first use (PEP 562), so `import tessellm` (and the server's
+front end, which never runs a model) does not pay for torch."""
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
 
-from tessellm.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
-from tessellm.constraints.structured_outputs import StructuredOutputs  # noqa: E402
-from tessellm.sampling_params import SamplingParams  # noqa: E402
+_PUBLIC = {"LLM": "tessellm.llm", "CompletionOutput": "tessellm.llm",
+           "RequestOutput": "tessellm.llm", "SamplingParams": "tessellm.sampling_params",
+           "StructuredOutputs": "tessellm.constraints.structured_outputs"}
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs",
            "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tessellm' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

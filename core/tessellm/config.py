@@ -1,12 +1,14 @@
 """EngineConfig: every engine option, validated once at the boundary (pydantic)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")   # torch dtypes by name (torch_dtype)
 
 
 class EngineConfig(BaseModel):
@@ -107,6 +109,7 @@ class EngineConfig(BaseModel):
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """The compute dtype: explicit, or the checkpoint's when auto (float32 if unknown)."""
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        return DTYPES.get(str(checkpoint_dtype or "float32").removeprefix("torch."), torch.float32)
+        import torch   # here, not at import: the server's front end never loads torch
+        name = self.dtype if self.dtype != "auto" else str(
+            checkpoint_dtype or "float32").removeprefix("torch.")
+        return getattr(torch, name) if name in DTYPE_NAMES else torch.float32

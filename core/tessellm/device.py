@@ -118,13 +118,24 @@ class DeviceAllocator:
         self._allocated = 0
         self._peak = 0
 
-    def _raw_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def raw_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor (contents unspecified) for `allocate`, which has done the accounting;
+        plugins with their own memory override this."""
         return torch.empty(shape, dtype=dtype, device=self.torch_device)
+
+    def commit_in_background(self) -> None:
+        """Commit memory that `raw_empty` handed out lazily, without blocking (the engine
+        calls this once its kernels are chosen); nothing by default."""
+
+    def wait_committed(self, timeout_s: float | None = None) -> bool:
+        """Block until a background commit ends (benchmarks call this before timing);
+        True by default."""
+        return True
 
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, tag: str) -> torch.Tensor:
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         self._reserve(nbytes, tag)
-        t = self._raw_empty(tuple(shape), dtype)
+        t = self.raw_empty(tuple(shape), dtype)
         self._register(t, tag, nbytes)
         return t
 

@@ -17,6 +17,7 @@ from tessellm.engine.chat_template import (chat_template_of, encode_chat, render
                                            template_messages)
 from tessellm.engine.detokenizer import decode_continuation
 from tessellm.engine.kernel_warmup import prepare_kernels
+from tessellm.engine.startup_progress import StartupProgress
 from tessellm.engine.llm_engine import LLMEngine
 from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.output_processor import OutputProcessor
@@ -112,7 +113,7 @@ class LLM:
             # every bucket chosen up front (cached on disk), as the server does: outputs do
             # not depend on which bucket came first, and weights convert to their kernels'
             # layout without a plain copy left beside them
-            prepare_kernels(self.engine, progress=self.config.load_progress)
+            prepare_kernels(self.engine, StartupProgress() if self.config.load_progress else None)
 
     @property
     def is_demo(self) -> bool:

@@ -413,7 +413,7 @@ def test_the_cpu_engine_chooses_a_greedy_kernel_for_every_row_bucket(stories_dir
     from tessellm.engine.sampler import greedy_kernel_query
     llm = LLM(str(stories_dir), dtype="bfloat16", max_num_seqs=4, load_progress=False)
     try:
-        choices = choose_kernels(llm.engine.parts, progress=False)
+        choices = choose_kernels(llm.engine.parts)
         greedy = {k.split("|")[1] + "|" + k.split("|")[2]: v for k, v in choices.items()
                   if k.startswith("greedy_tokens|")}
         assert set(greedy) == {f"{dt}|T{b}" for dt in ("bfloat16", "float32")

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tessellm.errors import ModelLoadError
 from tessellm.models import demo
 from tessellm.models.demo import DEMO_NOTICE, ensure_demo_model
-from tessellm.models.hf_files import eos_token_ids, load_safetensors, load_tokenizer, read_hf_config
+from tessellm.models.hf_files import eos_token_ids, load_safetensors, read_hf_config
+from tessellm.models.source_tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import copy
 import functools
 import json
 import random
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -256,21 +255,27 @@ def test_stories260k_gguf_reference_greedy(cache_dir: Path) -> None:
 
 def test_loading_a_gguf_parses_its_header_once(monkeypatch: pytest.MonkeyPatch,
                                                cache_dir: Path) -> None:
-    """Config, weights and tokenizer share one parsed header (a large vocabulary makes each
-    parse take seconds); transformers' own parse for the tokenizer is not counted."""
-    package = str(Path(tessellm.__file__).parent)
-    callers: list[str] = []
-    real = gguf.GGUFReader
+    """Config, weights and tokenizer share one parsed header (tessellm's own reader); the
+    `gguf` package's reader (seconds for a large vocabulary) is never used, nor is
+    transformers' parse of the header for a config."""
+    from tessellm.models import gguf_reader
+    from transformers import modeling_gguf_pytorch_utils
+    calls: list[str] = []
+    real = gguf_reader.read_gguf
 
-    def counting_reader(*args: Any, **kwargs: Any) -> Any:
-        callers.append(sys._getframe(1).f_code.co_filename)
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(str(args[0]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a slow GGUF header parse")
+
+    monkeypatch.setattr(gguf_reader, "read_gguf", counting)
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", refuse)
     LLM(model=str(STORIES_GGUF), device="cpu", dtype="float32", load_progress=False,
         cache_dir=str(cache_dir))
-    assert [c for c in callers if c.startswith(package)] == [
-        str(Path(package) / "models" / "gguf_file.py")]
+    assert calls == [str(STORIES_GGUF)]
 
 
 def test_stories260k_gguf_tokenizer_with_none_special_ids() -> None:

@@ -40,7 +40,7 @@ def test_qwen3_renders_tools_and_its_history():
 
 
 def test_a_template_without_tools_gets_the_generic_prompt(stories_dir):
-    from tessellm.models.hf_files import load_tokenizer
+    from tessellm.models.source_tokenizer import load_tokenizer
     from server_fixtures import CHAT_TEMPLATE
     tok = load_tokenizer(stories_dir)
     render = _renderer(tok, CHAT_TEMPLATE)

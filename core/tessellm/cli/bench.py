@@ -54,6 +54,7 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     t0 = time.perf_counter()
     llm = LLM(a.model, **options)
     load_s = time.perf_counter() - t0
+    llm.engine.parts.device.allocator().wait_committed()   # no page faults in timed steps
     vocab = llm.engine.parts.spec.vocab_size
     schema_path = getattr(a, "json_schema", None)
     spec = None

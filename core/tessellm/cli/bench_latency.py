@@ -55,6 +55,7 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
     t0 = time.perf_counter()
     llm = LLM(a.model, **options)
     load_s = time.perf_counter() - t0
+    llm.engine.parts.device.allocator().wait_committed()   # no page faults in timed steps
     rss = resident_bytes()
     parts = llm.engine.parts
     high = min(32000, parts.spec.vocab_size)

@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tessellm.parallel.group import launcher_environment
+    from tessellm.parallel.launcher_env import launcher_environment
     launched = launcher_environment()
     if launched is not None and launched[0] != 0:
         # torchrun started every rank with this command line: rank 0 runs it, with the

@@ -25,13 +25,12 @@ from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
 from tessellm.graph.passes.q8_activations import q8_activations
 from tessellm.graph import ops
-from tessellm.models.demo import DEMO_NOTICE
 from tessellm.models.hf_files import eos_token_ids
 from tessellm.models.architectures import resolve_architecture
 from tessellm.models.sharding import check_shardable, shard_model
-from tessellm.models.loader import (checkpoint_dtype, load_model, load_source_tokenizer,
-                                    open_source, read_source_config)
-from tessellm.models.source import ModelSource, resolve_model_source
+from tessellm.models.loader import checkpoint_dtype, load_model, open_source, read_source_config
+from tessellm.models.source_tokenizer import load_source_tokenizer
+from tessellm.models.source import ModelSource, model_source_of
 from tessellm.models.spec import ModelSpec
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
@@ -83,15 +82,6 @@ PACKED_OPS = ("linear_packed", "embedding_packed")
 Q8ACT_OP = "linear_packed_q8act"
 DEAD_CODE = GraphPass("remove_dead_code", remove_dead_code)
 QUANTIZE_AT_LOAD = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
-
-
-def model_source_of(config: EngineConfig) -> ModelSource:
-    source = resolve_model_source(config.model, revision=config.revision,
-                                  gguf_file=config.gguf_file,
-                                  demo_dir=cache_root(config.cache_dir) / "demo-model")
-    if source.is_demo:
-        log.info(DEMO_NOTICE)
-    return source
 
 
 def keep_packed(config: EngineConfig, source: ModelSource, device: DevicePlugin,
@@ -174,11 +164,14 @@ def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtyp
 
 def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = None,
                        extra_passes: list[GraphPass] | None = None,
-                       parallel: ParallelGroup | None = None) -> EngineParts:
+                       parallel: ParallelGroup | None = None,
+                       core_tokenizer: bool = False) -> EngineParts:
     """The parts of an engine, or of one rank of a tensor-parallel engine: with
     tensor_parallel_size > 1 rank 0 (parallel None) starts the group here; a worker passes
     the group it joined. Every rank runs the same steps in the same order (they meet in
-    collectives: the compute group, the KV block count, a measuring forward pass)."""
+    collectives: the compute group, the KV block count, a measuring forward pass).
+    core_tokenizer: the engine runs in a core process whose front end holds the full
+    tokenizer, so what the core reads of one is enough (load_source_tokenizer's core_only)."""
     plugins = plugins or PluginManager().load()
     device = plugins.select_device(config.device)
     source = model_source_of(config)
@@ -194,11 +187,12 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
         parallel = start_group(config)
         try:
             return _build(config, plugins, extra_passes, device, source, hf_config, parallel,
-                          opened)
+                          opened, core_tokenizer)
         except BaseException:
             parallel.shutdown()
             raise
-    return _build(config, plugins, extra_passes, device, source, hf_config, parallel, opened)
+    return _build(config, plugins, extra_passes, device, source, hf_config, parallel, opened,
+                  core_tokenizer)
 
 
 def _threads(config: EngineConfig) -> int | None:
@@ -213,7 +207,8 @@ def _threads(config: EngineConfig) -> int | None:
 
 def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[GraphPass] | None,
            device: DevicePlugin, source: ModelSource, hf_config: dict[str, Any],
-           parallel: ParallelGroup | None, opened: Any = None) -> EngineParts:
+           parallel: ParallelGroup | None, opened: Any = None,
+           core_tokenizer: bool = False) -> EngineParts:
     threads = _threads(config)
     if threads:
         torch.set_num_threads(threads)
@@ -278,7 +273,9 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     host = device.host_allocator()   # same per-layer layout; no null block on the host
     host_kv_caches = [host.allocate((2, num_host, *kv_shape), dtype)
                       for _ in range(spec.num_layers)] if num_host else []
-    tokenizer = load_source_tokenizer(source, opened) if leader else None  # workers never decode
+    tokenizer = (load_source_tokenizer(source, opened, cache_root(config.cache_dir),
+                                       core_only=core_tokenizer)
+                 if leader else None)  # workers never decode
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches, parallel)

@@ -65,13 +65,13 @@ class EngineCoreClient:
               ) -> EngineCoreClient:
         """Start a core process for `config` (it loads the model and profiles; call
         `await wait_ready()` next)."""
-        from tessellm.engine.engine_core import core_process_main
+        from tessellm.engine.core_entry import core_entry
         tmpdir = tempfile.mkdtemp(prefix="tessellm-core-")
         to_addr, from_addr = f"ipc://{tmpdir}/to-core", f"ipc://{tmpdir}/from-core"
         ctx = zmq.Context()
         to_core, from_core = cls._sockets(ctx, to_addr, from_addr)
         proc = multiprocessing.get_context("spawn").Process(
-            target=core_process_main, name="tessellm-engine-core", daemon=True,
+            target=core_entry, name="tessellm-engine-core", daemon=True,
             args=(config.model_dump_json(), to_addr, from_addr, os.getpid(),
                   dict(test_hooks or {})))
         proc.start()
@@ -100,7 +100,7 @@ class EngineCoreClient:
         def run() -> None:
             loop = EngineCoreLoop(engine, inbox, outbox)
             try:
-                loop.send(ready_message(engine, prepare_kernels(engine, progress=False)))
+                loop.send(ready_message(engine, prepare_kernels(engine)))
                 loop.run()
             except BaseException:
                 pass  # CoreFailed was sent by the loop; the thread's end shows the death

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from tessellm.engine.sampler import TokenLogprobs
+from tessellm.engine.token_logprobs import TokenLogprobs
 from tessellm.sampling_params import SamplingParams
 
 

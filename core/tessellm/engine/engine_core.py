@@ -33,6 +33,7 @@ from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreSt
                                            params_from_wire)
 from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.kernel_warmup import prepare_kernels
+from tessellm.engine.startup_progress import StartupProgress
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
 from tessellm.plugin_spec import ENTRY_POINT_GROUP
@@ -204,12 +205,17 @@ def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, paren
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(addr)
     codec = Codec(None)
+    progress = StartupProgress(origin_pid=parent_pid)   # one timeline with the server's
     try:
-        engine = LLMEngine(build_engine_parts(EngineConfig(**json.loads(config_json))))
+        config = EngineConfig(**json.loads(config_json))
+        progress.stage(f"engine core: loading {config.model}")
+        engine = LLMEngine(build_engine_parts(config, core_tokenizer=True))
         if test_hooks:
             from tessellm.engine.test_hooks import install_test_hooks
             install_test_hooks(engine, engine.parts.tokenizer, test_hooks)
-        ready = ready_message(engine, prepare_kernels(engine))
+        ready = ready_message(engine, prepare_kernels(engine, progress))
+        progress.stage(f"engine core: ready ({engine.parts.weight_bytes / 2**20:.0f} MiB of "
+                       f"weights, {engine.kv.num_blocks} KV blocks)")
     except BaseException as e:
         log.exception("engine core failed to start")
         outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))

@@ -14,12 +14,12 @@ decisions are cached on disk, so a restart only re-reads them.
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.llm_engine import LLMEngine
+from tessellm.engine.startup_progress import StartupProgress
 from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, bitmask_kernel_query,
                                      greedy_kernel_query, sample_kernel_query)
 from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
@@ -54,27 +54,35 @@ def _select_sample_kernels(parts: EngineParts, bucket: int) -> dict[str, str]:
 
 
 def choose_kernels(parts: EngineParts, sample_kernels: bool = True,
-                   progress: bool = True) -> dict[str, str]:
+                   progress: StartupProgress | None = None) -> dict[str, str]:
     """Choose every kernel of the plan (and of the sampler) for every reachable bucket, then
     let weights take their kernels' layout; returns {bucket key: kernel name}. Every rank of
     a tensor-parallel engine does this for its own shard (a worker samples nothing)."""
     c = parts.config
     buckets = token_buckets(max(c.max_num_batched_tokens, c.max_num_seqs))
     choices: dict[str, str] = {}
+    if progress:
+        progress.stage(f"choosing kernels for {len(buckets)} token buckets (cached decisions "
+                       "are reused)")
     for i, b in enumerate(buckets):
-        if progress:
-            print(f"tessellm: profiling kernels, token bucket {b} ({i + 1}/{len(buckets)})",
-                  file=sys.stderr, flush=True)
+        measured = parts.selector.profiled
         choices.update(select_all_kernels(parts.plan, b, c.max_num_seqs))
         if sample_kernels and b <= token_bucket(c.max_num_seqs):
             choices.update(_select_sample_kernels(parts, b))
+        if progress and parts.selector.profiled > measured:
+            progress.stage(f"profiled kernels for token bucket {b} ({i + 1}/{len(buckets)})")
+    parts.selector.release_examples()
     adopted = adopt_weight_layouts(parts.plan, parts.weights)
     if adopted:
         log.info("%d weight(s) converted to their kernels' layout", adopted)
+    # profiling is over: memory handed out lazily (the KV pool) may now be committed while
+    # the engine serves, without disturbing a timing
+    parts.device.allocator().commit_in_background()
     return choices
 
 
-def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
+def prepare_kernels(engine: LLMEngine, progress: StartupProgress | None = None
+                    ) -> dict[str, str]:
     """Choose every kernel for every reachable bucket, then (every rank ready) compile the
     device's padded step shapes; returns {bucket key: kernel name}."""
     choices = choose_kernels(engine.parts, progress=progress)
@@ -86,6 +94,6 @@ def prepare_kernels(engine: LLMEngine, progress: bool = True) -> dict[str, str]:
                     else f"{len(runner.static_shapes.shapes())} static step shapes "
                          f"(tokens {list(runner.static_shapes.token_buckets)} x sequences "
                          f"{list(runner.static_shapes.seq_buckets)})")
-            print(f"tessellm: compiling {what}", file=sys.stderr, flush=True)
+            progress.stage(f"compiling {what}")
         runner.precompile()
     return choices

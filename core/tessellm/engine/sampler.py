@@ -69,6 +69,7 @@ import torch
 from tessellm.kernels import reference
 from tessellm.kernels.registry import KernelQuery
 from tessellm.sampling_params import SamplingParams
+from tessellm.engine.token_logprobs import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -137,16 +138,6 @@ class SampleRequest:
     output_position: int  # tokens the request has generated so far (the seed position)
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs for one sampled token: its own and the top tokens' (descending, ids on ties in
-    the order torch.topk gives), len(top) == min(params.logprobs, vocab)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ import torch
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import Event
-from tessellm.engine.sampler import TokenLogprobs
+from tessellm.engine.token_logprobs import TokenLogprobs
 from tessellm.request import Request
 from tessellm.scheduler import SchedulerOutput
 

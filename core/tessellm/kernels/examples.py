@@ -15,7 +15,7 @@ import torch
 from tessellm.errors import KernelError
 from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
 from tessellm.kernels.registry import KernelQuery
-from tessellm.quant.formats import packed_example, packed_format
+from tessellm.quant.formats import packed_example, packed_format, random_packed
 
 EXAMPLE_BLOCK_SIZE = 16
 DECODE_CONTEXT = 128    # context length of each decode sequence in examples
@@ -159,10 +159,15 @@ def bitmask_example(T: int, vocab: int, dt: torch.dtype, dev: str,
     return [x.to(dev), mask.to(dev)]
 
 
-def make_example(query: KernelQuery, dev: str) -> list[Any]:
+def make_example(query: KernelQuery, dev: str,
+                 weights: dict[tuple[Any, ...], Any] | None = None) -> list[Any]:
+    """`weights`: a memo the caller owns, so that the packed weight of one shape is made once
+    for all token buckets (an embedding table is tens of MB; made per bucket it was most of a
+    cold start's profiling time)."""
     gen = torch.Generator().manual_seed(1234)
     T, dt, op = query.num_tokens, query.dtype, query.op
     d = dict(query.dims)
+    memo = weights if weights is not None else {}
     if op == "embedding":
         return [torch.randint(0, d["vocab"], (T,), generator=gen).to(dev),
                 _randn(gen, (d["vocab"], d["hidden"]), dt, dev)]
@@ -171,15 +176,20 @@ def make_example(query: KernelQuery, dev: str) -> list[Any]:
         b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
         return [_randn(gen, (T, d["in_features"]), dt, dev), w, b]
     if op in ("linear_packed", "linear_packed_q8act"):  # weights quantized from seeded ones
-        w = packed_example(packed_format(d["qtype"]), d["out_features"], d["in_features"], gen,
-                           scale=d["in_features"] ** -0.5, compute_dtype=dt)
+        key = ("linear_packed", d["qtype"], d["out_features"], d["in_features"], dt, dev)
+        if key not in memo:
+            w = packed_example(packed_format(d["qtype"]), d["out_features"], d["in_features"],
+                               gen, scale=d["in_features"] ** -0.5, compute_dtype=dt)
+            memo[key] = w.with_data(w.data.to(dev))
         b = _randn(gen, (d["out_features"],), dt, dev) if d["bias"] else None
-        return [_randn(gen, (T, d["in_features"]), dt, dev), w.with_data(w.data.to(dev)), b]
-    if op == "embedding_packed":
-        w = packed_example(packed_format(d["qtype"]), d["vocab"], d["hidden"], gen,
-                           compute_dtype=dt)
-        return [torch.randint(0, d["vocab"], (T,), generator=gen).to(dev),
-                w.with_data(w.data.to(dev))]
+        return [_randn(gen, (T, d["in_features"]), dt, dev), memo[key], b]
+    if op == "embedding_packed":   # valid random blocks: a gather reads them, whatever they hold
+        key = ("embedding_packed", d["qtype"], d["vocab"], d["hidden"], dt, dev)
+        if key not in memo:
+            w = random_packed(packed_format(d["qtype"]), d["vocab"], d["hidden"], gen,
+                              scale=1.0, compute_dtype=dt)
+            memo[key] = w.with_data(w.data.to(dev))
+        return [torch.randint(0, d["vocab"], (T,), generator=gen).to(dev), memo[key]]
     if op == "rms_norm":  # the last row is zero: a kernel that ignores eps yields NaN there
         if "heads" in d:  # per-head norm (qwen3's q/k): a [T, heads, D] view of wider rows
             wide = _randn(gen, (T, (d["heads"] + 1) * d["hidden"]), dt, dev)

@@ -4,7 +4,8 @@ For a concrete KernelQuery (op, dtype, token bucket, model dims) on the active d
 selector either takes the first supported candidate (`first`), a named kernel (`{op: name}`),
 or profiles (`profile`): each candidate runs on seeded example inputs, its output is compared
 with the reference op (a wrong kernel is rejected and the reason kept), and the fastest correct
-one wins (minimum over interleaved timed rounds, with device synchronization). Before every
+one wins (minimum over interleaved timed rounds, with device synchronization; after three
+rounds a candidate more than twice as slow as the best is ranked and no longer timed). Before every
 timed call a scratch buffer of `flush_bytes` (default 8 MiB, several times a core's L2) is
 written, so each call starts with caches as cold as in a forward pass, where every small op
 follows a GEMM that streamed megabytes of weights: in a hot loop a chain of small torch ops
@@ -226,6 +227,8 @@ class KernelSelector:
         self.flush_bytes = flush_bytes
         self._scratch: torch.Tensor | None = None
         self._chosen: dict[KernelQuery, Kernel] = {}
+        self.profiled = 0   # queries measured (not found in the cache) so far
+        self._example_weights: dict[tuple[Any, ...], Any] = {}   # make_example's memo
         if isinstance(policy, Mapping):
             for op, name in policy.items():
                 if name not in {k.name for k in registry.kernels(device_name, op)}:
@@ -254,6 +257,11 @@ class KernelSelector:
             return candidates[0]
         decision = self.decide(query, candidates)
         return next(k for k in candidates if k.name == decision.choice)
+
+    def release_examples(self) -> None:
+        """Drop the example weights kept for profiling (choose_kernels calls this when every
+        bucket is chosen; a later profile makes them again)."""
+        self._example_weights.clear()
 
     def chosen(self) -> dict[KernelQuery, str]:
         """Every query answered so far -> the kernel chosen for it."""
@@ -304,11 +312,12 @@ class KernelSelector:
         decision = self.cache.get(key)
         if decision is None:
             decision = self._profile(query, candidates)
+            self.profiled += 1
             self.cache.put(key, decision)
         return decision
 
     def _profile(self, query: KernelQuery, candidates: list[Kernel]) -> Decision:
-        args = make_example(query, self.torch_device)
+        args = make_example(query, self.torch_device, self._example_weights)
         ref_args = _clone_args(args)
         expected = _outputs(query.op, ref_args, REFERENCE_OPS[query.op](*ref_args))
         rtol, atol = TOLERANCES.get(query.dtype, (1e-5, 1e-4))
@@ -324,11 +333,15 @@ class KernelSelector:
         deadline = time.perf_counter() + self.min_time_s * len(timed)
         # Interleaved rounds: interference from other processes hits every candidate alike;
         # the minimum is the estimate least disturbed by it.
+        dropped: set[str] = set()
         for rnd in range(self.max_reps):
             if rnd >= 3 and time.perf_counter() > deadline:
                 break
+            if rnd >= 3:   # a candidate already twice as slow as the best is ranked, not retimed
+                best = min(min(v) for v in samples.values() if v)
+                dropped |= {n for n, v in samples.items() if v and min(v) > 2 * best}
             for c, k_args in timed:
-                if not c.correct:
+                if not c.correct or c.name in dropped:
                     continue
                 try:
                     self._flush_caches()

@@ -18,12 +18,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 
 from tessellm.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 DEMO_NOTICE = "demo model: random, untrained weights — output is gibberish by design"
 DEMO_FORMAT_VERSION = 1
@@ -92,6 +93,7 @@ def demo_config() -> dict[str, Any]:
 
 def demo_weights() -> dict[str, torch.Tensor]:
     """The demo model's tensors under their HF Llama names, drawn in a fixed order."""
+    import torch
     gen = torch.Generator(device="cpu").manual_seed(SEED)
 
     def normal(*shape: int) -> torch.Tensor:
@@ -171,6 +173,7 @@ def _write_demo_model(out_dir: Path) -> None:
     _write_json(out_dir / "config.json", demo_config())
     generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}
     _write_json(out_dir / "generation_config.json", generation)
+    from safetensors.torch import save_file
     save_file(demo_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     _write_tokenizer(out_dir)
     (out_dir / "README.md").write_text(

@@ -1,8 +1,8 @@
 """Reading a GGUF file (llama.cpp's format): hyper-parameters and weights (its tokenizer and
 chat template: tessellm.models.gguf_tokenizer).
 
-The file is read with the `gguf` package and memory-mapped copy-on-write, so tensors kept in
-their packed form (Q8_0, Q4_0, Q4_1) are views of the file, never copies. Invariants:
+The header is parsed by tessellm.models.gguf_reader and the file memory-mapped copy-on-write,
+so tensors kept in their packed form are views of the file, never copies. Invariants:
 - The metadata becomes an HF-style config dict (`architectures`, `hidden_size`, ...), so the
   architectures' spec readers serve GGUF and safetensors alike.
 - Tensor names are mapped to the names the graph builders read (HF names for the Llama family,
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tessellm.errors import ModelLoadError, UnsupportedModelError
+from tessellm.models.gguf_reader import metadata_field
 from tessellm.models.gguf_split import open_split, split_parts
 from tessellm.quant.formats import PACKED_FORMATS, PackedWeight
 
@@ -48,8 +49,9 @@ class GGUFModel:
 
 
 def open_gguf(path: str | Path) -> Any:
-    """A GGUFReader over the file (over all its parts for a split file, any part named:
-    tessellm.models.gguf_split), or a ModelLoadError saying what is wrong with it."""
+    """The file's parsed header (gguf_reader.GGUFContents; over all its parts for a split
+    file, any part named: tessellm.models.gguf_split), or a ModelLoadError saying what is
+    wrong with it."""
     p = Path(path).expanduser()
     parts = split_parts(p)
     if parts is not None:
@@ -58,34 +60,10 @@ def open_gguf(path: str | Path) -> Any:
 
 
 def _open_one(p: Path) -> Any:
-    import gguf  # only GGUF users pay for the import
+    from tessellm.models.gguf_reader import read_gguf
     if not p.is_file():
         raise ModelLoadError(f"GGUF file {str(p)!r} does not exist")
-    with p.open("rb") as fh:
-        magic = fh.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(f"{p} is not a GGUF file: bad magic {magic!r} (expected b'GGUF')")
-    size = p.stat().st_size
-    try:
-        reader = gguf.GGUFReader(p, "c")
-    except (ValueError, KeyError, IndexError, OverflowError, OSError) as exc:
-        # the reader maps every tensor's data as it parses: a short file fails in there
-        raise ModelLoadError(f"cannot read GGUF file {p} ({size} bytes): it is truncated or "
-                             f"damaged: {type(exc).__name__}: {exc}") from exc
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise ModelLoadError(f"GGUF file {p} is truncated: tensor {t.name!r} needs bytes "
-                                 f"{t.data_offset}..{t.data_offset + t.n_bytes}, the file has "
-                                 f"{size}")
-    return reader
-
-
-def metadata_field(reader: Any, key: str, default: Any = None) -> Any:
-    """The value of a metadata key (strings and arrays decoded), or `default`."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    return read_gguf(p)
 
 
 def _architecture(reader: Any) -> str:
@@ -384,7 +362,3 @@ def _split_gpt2_qkv(weights: dict[str, Weight], num_layers: int) -> None:
             for j, name in enumerate("qkv"):
                 rows = torch.arange(j * third, (j + 1) * third)
                 weights[f"{p}.{name}_proj{suffix}"] = _permute(fused, rows)
-
-
-def is_gguf_path(model: str) -> bool:
-    return bool(re.search(r"\.gguf$", model, re.IGNORECASE))

@@ -5,7 +5,7 @@ The first part holds the metadata; every part holds `split.no` (0-based), `split
 any part's path names the whole file; every part must exist, say its own place in the split,
 agree on the counts, and together hold exactly `split.tensors.count` distinct tensors, or the
 load fails with a ModelLoadError naming the part (a missing part, a part of another file, a
-truncated part). Each part is memory-mapped by its own GGUFReader, so packed tensors stay
+truncated part). Each part is memory-mapped by its own reader (gguf_reader), so packed tensors stay
 views of the files.
 """
 from __future__ import annotations

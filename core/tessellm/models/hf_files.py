@@ -30,7 +30,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 GENERATION_CONFIG_KEY = "_generation_config"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -203,21 +202,6 @@ def load_safetensors(
     for part in results:
         tensors.update(part)
     return tensors
-
-
-def load_tokenizer(model_dir: str | Path) -> Any:
-    """Load the directory's tokenizer with transformers.AutoTokenizer, offline only."""
-    path = _model_dir(model_dir)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"no tokenizer in {str(path)!r}: expected one of {', '.join(TOKENIZER_FILES)}"
-        )
-    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is needed
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {exc}") from exc
 
 
 def _as_id_set(value: Any, where: str) -> set[int]:

