@@ -171,6 +171,12 @@ def cmd_bench_schedule(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_startup(a: argparse.Namespace) -> int:
+    from tessellm.cli.bench_startup import print_report, run_bench_startup
+    print_report(run_bench_startup(a))
+    return 0
+
+
 def cmd_bench_soak(a: argparse.Namespace) -> int:
     import asyncio
     import shlex
@@ -364,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     sk.set_defaults(func=cmd_bench_soak)
     from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
     add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
+    from tessellm.cli.bench_startup import add_parser as add_bench_startup
+    add_bench_startup(bsub).set_defaults(func=cmd_bench_startup)
     return ap
 
 

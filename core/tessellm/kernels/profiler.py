@@ -210,7 +210,7 @@ class KernelSelector:
     def __init__(self, registry: KernelRegistry, device_name: str, torch_device: str,
                  synchronize: Callable[[], None], policy: str | Mapping[str, str] = "profile",
                  cache: ProfileCache | None = None, identity: str = "",
-                 min_time_s: float = 0.02, max_reps: int = 50,
+                 min_time_s: float = 0.005, max_reps: int = 50,
                  flush_bytes: int = 8 << 20) -> None:
         if isinstance(policy, str) and policy not in ("profile", "first"):
             raise ConfigError(f"kernel_selection must be 'profile', 'first' or a mapping "
