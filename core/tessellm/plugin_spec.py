@@ -1,8 +1,10 @@
 """pluggy hook specifications of the tessellm plugin contract (marker name "tessellm").
 
 A plugin is a module found through the entry-point group `tessellm.plugins`. It must declare
-`TESSELLM_API_VERSION = "<major>.<minor>"`; a different major version than API_VERSION is
-refused. Every hook is optional; each returns a list (or dict) that the manager merges.
+`TESSELLM_API_VERSION = "<major>.<minor>"`; a different major version than API_VERSION, a
+newer minor one, or a minor one older than what the plugin implements needs is refused
+(tessellm.plugin_versions). Every hook is optional; each returns a list (or dict) that the
+manager merges.
 
 Names are never taken over silently: a kernel whose (device, op, name) is already registered,
 an architecture name tessellm builds itself (or another plugin registered first) and a graph

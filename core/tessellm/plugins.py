@@ -3,8 +3,9 @@ their devices loudly and merges what their hooks contribute.
 
 Nothing a plugin does wrong is swallowed. Every entry point found yields one PluginRecord:
   loaded  -- imported, API version accepted, registered with pluggy, devices probed;
-  refused -- imported, but it declares no TESSELLM_API_VERSION or another major version
-             (not registered: none of its hooks run);
+  refused -- imported, but its TESSELLM_API_VERSION is missing, of another major version,
+             newer than the core's, or older than what its hooks, module attributes or
+             devices' members need (plugin_versions; not registered: none of its hooks run);
   error   -- importing it, registering it or calling its `tessellm_devices` hook failed, or it
              provides a device name another plugin already provides (not registered).
 A loaded plugin may still carry an `error` (a kernel for an unknown device, a failing
@@ -40,7 +41,8 @@ from tessellm.kernels.registry import Kernel, KernelRegistry
 from tessellm.models.architectures import Architecture, builtin_architecture_names
 from tessellm.quant.formats import QUANTIZABLE
 from tessellm.plugin_records import DeviceRecord, PluginRecord, describe_exception, plugin_row
-from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP, PROJECT, TessellmHookSpecs
+from tessellm.plugin_spec import ENTRY_POINT_GROUP, PROJECT, TessellmHookSpecs
+from tessellm.plugin_versions import check_declared, check_needs, device_needs, module_needs
 
 OVERRIDES_ATTR = "TESSELLM_OVERRIDE_ARCHITECTURES"
 
@@ -52,23 +54,6 @@ def builtin_pass_names() -> frozenset[str]:
     """Names of the passes tessellm itself may run (fusions, quantize_<format>, dead code)."""
     return frozenset({p.name for p in default_passes()}
                      | {f"quantize_{f.name.lower()}" for f in QUANTIZABLE})
-
-
-def _major(version: str) -> str:
-    return version.split(".", 1)[0]
-
-
-def check_api_version(module: object) -> str | None:
-    """Why the plugin `module` is refused, or None when its declared API version is accepted."""
-    declared = getattr(module, "TESSELLM_API_VERSION", None)
-    supported = f"this tessellm core supports plugin API version {API_VERSION} (major {_major(API_VERSION)})"
-    if declared is None:
-        return f"the plugin declares no TESSELLM_API_VERSION; {supported}"
-    if not isinstance(declared, str) or not _major(declared).isdigit():
-        return f"the plugin declares TESSELLM_API_VERSION = {declared!r}, not '<major>.<minor>'; {supported}"
-    if _major(declared) != _major(API_VERSION):
-        return f"the plugin declares API version {declared}; {supported}"
-    return None
 
 
 def _dist_version(ep: importlib.metadata.EntryPoint) -> str:
@@ -115,7 +100,7 @@ class PluginManager:
         except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not end the host
             record.error = describe_exception(exc)
             return record
-        refusal = check_api_version(plugin)
+        refusal = check_declared(plugin)
         if refusal is not None:
             record.status, record.error = "refused", refusal
             return record
@@ -123,6 +108,12 @@ class PluginManager:
             self._pm.register(plugin, name=ep.name)
         except Exception as exc:
             record.error = describe_exception(exc)
+            return record
+        hooks = [c.name for c in self._pm.get_hookcallers(plugin) or []]
+        refusal = check_needs(plugin, module_needs(plugin, hooks))
+        if refusal is not None:
+            self._pm.unregister(plugin)
+            record.status, record.error = "refused", refusal
             return record
         problem = self._unknown_hooks(plugin) or self._add_devices(plugin, record)
         if problem is not None:
@@ -140,7 +131,8 @@ class PluginManager:
         return None
 
     def _add_devices(self, plugin: object, record: PluginRecord) -> str | None:
-        """Calls the plugin's `tessellm_devices`, probes each device; all or nothing."""
+        """Calls the plugin's `tessellm_devices`, probes each device; all or nothing. A device
+        member newer than the plugin's declared API version marks the record refused."""
         devices: list[DevicePlugin] = []
         for call in self._impls(plugin, "tessellm_devices"):
             try:
@@ -161,6 +153,11 @@ class PluginManager:
             if name in names:
                 return f"PluginError: device {name!r} is provided twice"
             names.add(name)
+        needs = {what: v for dev in devices for what, v in device_needs(dev).items()}
+        refusal = check_needs(plugin, needs)
+        if refusal is not None:
+            record.status = "refused"
+            return refusal
         for dev in devices:
             rec = DeviceRecord(dev.name, record.name, int(dev.priority), *_probe(dev),
                                distributed_backend=str(dev.distributed_backend))

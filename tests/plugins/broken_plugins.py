@@ -88,6 +88,28 @@ def _returning(value: Any) -> Callable[[], Any]:
 future_api = _plugin("2.0", tessellm_devices=_devices(FakeDevice("future")))
 no_api = _plugin(None, tessellm_devices=_devices(FakeDevice("undeclared")))
 minor_newer = _plugin("1.7", tessellm_devices=_devices(FakeDevice("minor")))
+minor_older = _plugin("1.0", tessellm_devices=_devices(FakeDevice("older")))
+
+
+class AsyncFakeDevice(FakeDevice):
+    asynchronous = True   # a DevicePlugin member of API 1.4
+
+
+class OverridesFakeDevice(FakeDevice):
+    def kernels_not_offered(self) -> dict[str, str]:   # 1.2
+        return {}
+
+    def communicator(self, rank: int, world_size: int, timeout_s: float) -> None:   # 1.3
+        return None
+
+
+# declared minor versions older than what they implement (refused), and the same, declared right
+async_at_1_1 = _plugin("1.1", tessellm_devices=_devices(AsyncFakeDevice("async11")))
+async_at_1_4 = _plugin("1.4", tessellm_devices=_devices(AsyncFakeDevice("async14")))
+members_at_1_2 = _plugin("1.2", tessellm_devices=_devices(OverridesFakeDevice("members12")))
+formats_at_1_4 = _plugin("1.4", tessellm_tool_call_formats=_returning([]))
+overrides_at_1_2 = _plugin("1.2", tessellm_architectures=_returning({}))
+overrides_at_1_2.TESSELLM_OVERRIDE_ARCHITECTURES = ()
 
 fast = _plugin(tessellm_devices=_devices(FakeDevice("fast", priority=100)))
 slow = _plugin(tessellm_devices=_devices(FakeDevice("slow", priority=5)))
@@ -130,9 +152,9 @@ takes_llama = _plugin(tessellm_architectures=_returning({"LlamaForCausalLM": ARC
                                                          "MyLM": ARCH_O}),
                       tessellm_graph_passes=_returning([GraphPass("fuse_qkv", _identity_pass),
                                                         GraphPass("pass_a", _identity_pass)]))
-overrides_llama = _plugin(tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_B}))
+overrides_llama = _plugin("1.3", tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_B}))
 overrides_llama.TESSELLM_OVERRIDE_ARCHITECTURES = ("LlamaForCausalLM",)
-bad_override_decl = _plugin(tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_B}))
+bad_override_decl = _plugin("1.3", tessellm_architectures=_returning({"LlamaForCausalLM": ARCH_B}))
 bad_override_decl.TESSELLM_OVERRIDE_ARCHITECTURES = "LlamaForCausalLM"
 overrides_cpu_kernel = _plugin(tessellm_kernels=_returning([
     Kernel("add", "fast_add", torch.add, "fast"),
@@ -141,7 +163,7 @@ overrides_cpu_kernel = _plugin(tessellm_kernels=_returning([
 
 
 # tool-call formats: one named like a built-in (refused), one without the format methods
-takes_hermes = _plugin(tessellm_tool_call_formats=_returning([
+takes_hermes = _plugin("1.5", tessellm_tool_call_formats=_returning([
     SimpleNamespace(name="hermes", stream=print, parse_calls=print, matches_template=print,
                     grammar=print)]))
-not_a_format = _plugin(tessellm_tool_call_formats=_returning([SimpleNamespace(name="half")]))
+not_a_format = _plugin("1.5", tessellm_tool_call_formats=_returning([SimpleNamespace(name="half")]))

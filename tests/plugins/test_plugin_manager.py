@@ -66,15 +66,48 @@ def test_missing_module_is_reported() -> None:
     assert "tessellm_no_such_plugin" in rec.error
 
 
-def test_other_major_api_version_is_refused_naming_both_versions() -> None:
-    pm = PluginManager(fake("future_api", "no_api", "minor_newer")).load()
+def test_other_major_or_newer_minor_api_version_is_refused_naming_both_versions() -> None:
+    pm = PluginManager(fake("future_api", "no_api", "minor_newer", "minor_older")).load()
     future = record(pm, "future_api")
     assert future.status == "refused"
     assert "2.0" in future.error and API_VERSION in future.error
     no_api = record(pm, "no_api")
     assert no_api.status == "refused" and "no TESSELLM_API_VERSION" in no_api.error
-    assert record(pm, "minor_newer").status == "loaded"
-    assert set(pm.devices()) == {"minor"}  # refused plugins' hooks never ran
+    newer = record(pm, "minor_newer")
+    assert newer.status == "refused" and "1.7" in newer.error and API_VERSION in newer.error
+    assert "upgrade tessellm" in newer.error
+    assert record(pm, "minor_older").status == "loaded"
+    assert set(pm.devices()) == {"older"}  # refused plugins' hooks never ran
+
+
+def test_a_minor_version_older_than_what_the_plugin_implements_is_refused() -> None:
+    pm = PluginManager(fake("async_at_1_1", "async_at_1_4", "members_at_1_2", "formats_at_1_4",
+                            "overrides_at_1_2")).load()
+    too_old = record(pm, "async_at_1_1")
+    assert too_old.status == "refused" and too_old.devices == []
+    assert ("declares API version 1.1 but implements DevicePlugin.asynchronous (device "
+            "'async11') (added in 1.4)") in too_old.error
+    assert 'declare TESSELLM_API_VERSION = "1.4" or later' in too_old.error
+    assert record(pm, "async_at_1_4").status == "loaded"
+    members = record(pm, "members_at_1_2")
+    assert members.status == "refused" and "DevicePlugin.communicator" in members.error
+    assert "kernels_not_offered" not in members.error   # 1.2 is declared: not listed
+    formats = record(pm, "formats_at_1_4")
+    assert formats.status == "refused"
+    assert "hook tessellm_tool_call_formats (added in 1.5)" in formats.error
+    overrides = record(pm, "overrides_at_1_2")
+    assert overrides.status == "refused"
+    assert "TESSELLM_OVERRIDE_ARCHITECTURES (added in 1.3)" in overrides.error
+    assert set(pm.devices()) == {"async14"}   # the refused plugins' devices are not kept
+
+
+def test_members_tessellm_itself_defines_need_no_newer_version() -> None:
+    """DevicePlugin's own defaults (and the core's classes) are not the plugin's doing."""
+    from broken_plugins import AsyncFakeDevice, FakeDevice
+    from tessellm.plugin_versions import device_needs
+    assert device_needs(FakeDevice("plain")) == {}
+    assert set(device_needs(AsyncFakeDevice("a"))) == {
+        "DevicePlugin.asynchronous (device 'a')"}
 
 
 def test_refused_plugin_is_not_registered() -> None:
