@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from faulty_server import StepFaults
+
+FAULTY_SERVER = Path(__file__).with_name("faulty_server.py")
 
 URL_LINE = re.compile(rb"tessellm: serving .* on (http://[0-9.]+:\d+)")
 STARTUP_TIMEOUT_S = 90.0
@@ -70,13 +73,16 @@ def _wait_for_url(proc: subprocess.Popen, log_path: Path) -> str:
 
 
 @contextlib.contextmanager
-def running_server(workdir: Path, args: list[str], env: dict[str, str] | None = None
-                   ) -> Iterator[ServerProcess]:
+def running_server(workdir: Path, args: list[str], env: dict[str, str] | None = None,
+                   faults: StepFaults | None = None) -> Iterator[ServerProcess]:
+    """`tessellm serve args` on a free port; with `faults`, over an engine core that injects
+    them (faulty_server.py, the tests' own launcher of the real server)."""
     log_path = workdir / "server.log"
+    command = ([sys.executable, "-m", "tessellm.cli.main"] if faults is None
+               else [sys.executable, str(FAULTY_SERVER), faults.to_json()])
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tessellm.cli.main", "serve", "--host", "127.0.0.1",
-             "--port", "0", *args],
+            [*command, "serve", "--host", "127.0.0.1", "--port", "0", *args],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = None
     try:

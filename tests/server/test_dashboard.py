@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from faulty_server import StepFaults
 from tessellm import LLM
 from tessellm.engine.async_engine import AsyncEngine
 from tessellm.engine.core_client import EngineCoreClient
-from tessellm.engine.test_hooks import STEP_DELAY_ENV, install_test_hooks
 from tessellm.models.source import ModelSource
 from tessellm.server.app import create_app
 from tessellm.server.dashboard import kernel_table
@@ -96,7 +96,7 @@ async def _app_client(stories_dir, api_key: str | None = None
                       ) -> tuple[TestClient, LLM, ServerState]:
     llm = LLM(str(stories_dir), dtype="float32", kernel_selection="first", load_progress=False,
               max_num_batched_tokens=64, max_num_seqs=1, priority_levels=3)
-    install_test_hooks(llm.engine, llm.tokenizer, {STEP_DELAY_ENV: "0.02"})
+    StepFaults(delay_s=0.02).install(llm.engine, llm.tokenizer)
     core = EngineCoreClient.in_thread(llm.engine)
     await core.wait_ready()
     engine = AsyncEngine(core, llm.tokenizer)

@@ -11,6 +11,7 @@ import time
 import aiohttp
 import openai
 import pytest
+from faulty_server import StepFaults
 from server_fixtures import assert_error_body, metrics, request, running_server, wait_idle
 
 KEY = "s3cret-key"
@@ -24,8 +25,9 @@ def server(tmp_path_factory, stories_dir):
                         ["--model", str(stories_dir), "--dtype", "float32",
                          "--kernel-selection", "first", "--threads", "1", "--max-num-seqs", "1",
                          "--max-queue", "1", "--max-body-bytes", "4096", "--max-n", "2",
-                         "--drain-timeout", "0.5", "--enable-test-hooks"],
-                        env={"TESSELLM_API_KEY": KEY, "TESSELLM_TEST_STEP_DELAY_S": "0.02"}) as s:
+                         "--drain-timeout", "0.5"],
+                        env={"TESSELLM_API_KEY": KEY},
+                        faults=StepFaults(delay_s=0.02)) as s:
         yield s
 
 

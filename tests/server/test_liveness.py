@@ -12,11 +12,12 @@ import signal
 import time
 
 import pytest
+from faulty_server import StepFaults
 from server_fixtures import assert_error_body, metrics, request, running_server, sse_events, \
     wait_idle
 
 HEARTBEAT_TIMEOUT_S, STALL_TIMEOUT_S, REQUEST_TIMEOUT_S = 1.0, 4.0, 7.0
-STEP_DELAY_S = 0.02   # every engine step (test hook): max_tokens=400 takes ~8 s
+STEP_DELAY_S = 0.02   # every engine step (injected): max_tokens=400 takes ~8 s
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,8 @@ def server(tmp_path_factory, stories_dir):
                          "--kernel-selection", "first", "--threads", "1",
                          "--engine-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
                          "--engine-stall-timeout", str(STALL_TIMEOUT_S),
-                         "--request-timeout", str(REQUEST_TIMEOUT_S), "--enable-test-hooks"],
-                        env={"TESSELLM_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}) as s:
+                         "--request-timeout", str(REQUEST_TIMEOUT_S)],
+                        faults=StepFaults(delay_s=STEP_DELAY_S)) as s:
         yield s
 
 

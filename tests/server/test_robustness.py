@@ -17,6 +17,7 @@ from server_fixtures import (
     sse_events,
     wait_idle,
 )
+from faulty_server import StepFaults
 from tessellm import SamplingParams
 
 FAIL_MARK = "KABOOM"
@@ -29,8 +30,8 @@ def server(tmp_path_factory, stories_dir, chat_template_file):
     with running_server(tmp_path_factory.mktemp("server-robust"),
                         ["--model", str(stories_dir), "--dtype", "float32",
                          "--kernel-selection", "first", "--threads", "1", "--chat-template",
-                         str(chat_template_file), "--enable-test-hooks"],
-                        env={"TESSELLM_TEST_FAIL_STEP_ON_PROMPT": FAIL_MARK}) as s:
+                         str(chat_template_file)],
+                        faults=StepFaults(fail_on_prompt=FAIL_MARK)) as s:
         yield s
 
 

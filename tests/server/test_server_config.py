@@ -59,7 +59,7 @@ def test_defaults_are_safe():
 def test_serve_command_builds_the_configs_from_file_and_flags(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_run_server(engine, server, enable_test_hooks=False):
+    def fake_run_server(engine, server):
         seen["engine"], seen["server"] = engine, server
         return 0
 

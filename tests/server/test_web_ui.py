@@ -1,6 +1,6 @@
 """The built-in web page in a real headless browser (Debian's chromium + chromedriver, driven
 by selenium) against a real `tessellm serve` with stories260K, an API key and 30 ms engine
-steps (test hooks), so that streaming, stop and the dashboard's running request are seen.
+steps (injected: faulty_server.py), so that streaming, stop and the dashboard's running request are seen.
 
 Screenshots (chat, dashboard, phone width) are written to each test's tmp_path; keep them
 with `pytest tests/server/test_web_ui.py --basetemp=/tmp/webui` (then /tmp/webui/*/*.png).
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faulty_server import StepFaults
 from server_fixtures import CHAT_TEMPLATE, offline_text, request, running_server, wait_idle
 from tessellm import SamplingParams
 
@@ -42,9 +43,9 @@ def server(tmp_path_factory, stories_dir, chat_template_file):
     with running_server(tmp_path_factory.mktemp("server-web-ui"),
                         ["--model", str(stories_dir), "--dtype", "float32",
                          "--kernel-selection", "first", "--threads", "1",
-                         "--chat-template", str(chat_template_file), "--enable-test-hooks"],
-                        env={"TESSELLM_API_KEY": KEY,
-                             "TESSELLM_TEST_STEP_DELAY_S": str(STEP_DELAY_S)}) as s:
+                         "--chat-template", str(chat_template_file)],
+                        env={"TESSELLM_API_KEY": KEY},
+                        faults=StepFaults(delay_s=STEP_DELAY_S)) as s:
         yield s
 
 

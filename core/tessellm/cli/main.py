@@ -6,8 +6,13 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessellm.errors import ConfigError, TessellmError
+
+if TYPE_CHECKING:
+    from tessellm.config import EngineConfig
+    from tessellm.server.server_config import ServerConfig
 
 
 def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -202,8 +207,8 @@ def cmd_bench_soak(a: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    from tessellm.server.serve import run_server
+def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine and server configs of a parsed `serve` command line (file, then flags)."""
     from tessellm.server.server_config import load_configs
     server_flags = ("host", "port", "api_key", "max_queue", "max_body_bytes", "max_n",
                     "chat_template", "drain_timeout_s", "request_timeout_s",
@@ -212,8 +217,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
                     "tool_call_parser")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
-    engine_config, server_config = load_configs(a.config, overrides)
-    return run_server(engine_config, server_config, enable_test_hooks=a.enable_test_hooks)
+    return load_configs(a.config, overrides)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tessellm.server.serve import run_server
+    return run_server(*serve_configs(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,8 +311,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default=None,
                    help="tool-call format: hermes, llama3_json, mistral or a plugin's (default: "
                         "the one the chat template implies; hermes for the generic prompt)")
-    # test-only: reads the TESSELLM_TEST_* fault/delay hooks (tessellm.engine.test_hooks)
-    s.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -30,6 +31,8 @@ from tessellm.config import EngineConfig
 from tessellm.engine.core_messages import (Codec, CoreFailed, FromCore, Ready, Shutdown,
                                            StartupFailed, ToCore)
 from tessellm.errors import TessellmError
+
+CoreEntry = Callable[[str, str, str, int], None]   # the core process's target (see spawn)
 
 
 class EngineCoreError(TessellmError, RuntimeError):
@@ -61,19 +64,21 @@ class EngineCoreClient:
         return to_core, from_core
 
     @classmethod
-    def spawn(cls, config: EngineConfig, test_hooks: dict[str, str] | None = None
-              ) -> EngineCoreClient:
+    def spawn(cls, config: EngineConfig, entry: CoreEntry | None = None) -> EngineCoreClient:
         """Start a core process for `config` (it loads the model and profiles; call
-        `await wait_ready()` next)."""
-        from tessellm.engine.core_entry import core_entry
+        `await wait_ready()` next). `entry` is the process's target, called with
+        (config JSON, inbox address, outbox address, parent pid): by default
+        `core_entry.core_entry`; another must be picklable by reference and end by calling
+        `engine_core.core_process_main` with those arguments."""
+        if entry is None:
+            from tessellm.engine.core_entry import core_entry as entry
         tmpdir = tempfile.mkdtemp(prefix="tessellm-core-")
         to_addr, from_addr = f"ipc://{tmpdir}/to-core", f"ipc://{tmpdir}/from-core"
         ctx = zmq.Context()
         to_core, from_core = cls._sockets(ctx, to_addr, from_addr)
         proc = multiprocessing.get_context("spawn").Process(
-            target=core_entry, name="tessellm-engine-core", daemon=True,
-            args=(config.model_dump_json(), to_addr, from_addr, os.getpid(),
-                  dict(test_hooks or {})))
+            target=entry, name="tessellm-engine-core", daemon=True,
+            args=(config.model_dump_json(), to_addr, from_addr, os.getpid()))
         proc.start()
 
         def stop(timeout: float) -> None:

@@ -192,10 +192,10 @@ class EngineCoreLoop:
             heartbeats.join(2 * HEARTBEAT_S)
 
 
-def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, parent_pid: int,
-                      test_hooks: dict[str, str]) -> None:
-    """Entry point of the spawned engine-core process (all arguments are plain strings, so
-    nothing is pickled but them)."""
+def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str,
+                      parent_pid: int) -> None:
+    """Entry point of the spawned engine-core process (its arguments are plain strings and
+    the parent's pid, so nothing else is pickled)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[core]: %(message)s")
     from tessellm.config import EngineConfig
     from tessellm.engine.builder import build_engine_parts
@@ -210,9 +210,6 @@ def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str, paren
         config = EngineConfig(**json.loads(config_json))
         progress.stage(f"engine core: loading {config.model}")
         engine = LLMEngine(build_engine_parts(config, core_tokenizer=True))
-        if test_hooks:
-            from tessellm.engine.test_hooks import install_test_hooks
-            install_test_hooks(engine, engine.parts.tokenizer, test_hooks)
         ready = ready_message(engine, prepare_kernels(engine, progress))
         progress.stage(f"engine core: ready ({engine.parts.weight_bytes / 2**20:.0f} MiB of "
                        f"weights, {engine.kv.num_blocks} KV blocks)")

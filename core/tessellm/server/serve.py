@@ -12,17 +12,15 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import os
 import signal
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 
 from aiohttp import web
 
 from tessellm.config import EngineConfig
 from tessellm.engine.async_engine import AsyncEngine
-from tessellm.engine.core_client import EngineCoreClient
+from tessellm.engine.core_client import CoreEntry, EngineCoreClient
 from tessellm.errors import ConfigError
 from tessellm.models.demo import DEMO_NOTICE
 from tessellm.models.source_tokenizer import load_source_tokenizer
@@ -72,31 +70,27 @@ def _url(host: str, port: int) -> str:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
-               environ: Mapping[str, str] | None = None, enable_test_hooks: bool = False) -> int:
+               core_entry: CoreEntry | None = None) -> int:
     """Start the engine core and serve until a termination signal (0) or the core's death
-    (1, so that a supervisor restarts the server); returns the exit status."""
+    (1, so that a supervisor restarts the server); returns the exit status. `core_entry` is
+    the core process's target (EngineCoreClient.spawn's; default the real core's)."""
     template = read_chat_template(server_config.chat_template)
     source = model_source_of(engine_config)   # a hub download happens once, here
     if source.is_demo:
         print(f"[tessellm] {DEMO_NOTICE}", file=sys.stderr)
     core_config = engine_config.model_copy(
         update={"model": str(source.path), "gguf_file": None, "revision": None})
-    env = os.environ if environ is None else environ
-    hooks = {}
-    if enable_test_hooks:
-        from tessellm.engine.test_hooks import HOOK_ENV_VARS
-        hooks = {k: env[k] for k in HOOK_ENV_VARS if k in env}
     return asyncio.run(serve(core_config, source, engine_config.model, server_config, template,
-                             hooks))
+                             core_entry))
 
 
 async def serve(core_config: EngineConfig, source: ModelSource, model_option: str | None,
                 config: ServerConfig, chat_template: str | None = None,
-                test_hooks: dict[str, str] | None = None) -> int:
+                core_entry: CoreEntry | None = None) -> int:
     loop = asyncio.get_running_loop()
     progress = StartupProgress()
     progress.stage("starting the engine core")
-    core = EngineCoreClient.spawn(core_config, test_hooks)
+    core = EngineCoreClient.spawn(core_config, core_entry)
     try:
         # the front end imports transformers while the core loads; the core builds the
         # tokenizer (and saves it to the cache), so the front end's is a read of that copy
