@@ -23,6 +23,11 @@ from tessellm.sampling_params import SamplingParams
 PENDING_TOKEN_ID = 0
 
 
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's `n` samples: the id itself when n == 1, else "<id>-<i>"."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

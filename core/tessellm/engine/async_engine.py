@@ -33,6 +33,7 @@ from tessellm.engine.core_messages import (AddRequest, CoreFailed, CoreStats, Fi
 from tessellm.engine.output_processor import OutputProcessor, StreamDelta
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.errors import InvalidRequestError, TessellmError
+from tessellm.request import sample_ids
 from tessellm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -218,8 +219,8 @@ class AsyncEngine:
                           request_id: str, stop: list[str] | None = None,
                           priority: int = 0) -> list[RequestStream]:
         """n samples of one prompt sharing its KV blocks (the prompt is computed once); stream
-        i carries sample "<request_id>-<i>" (seed + i when a seed is set); n == 1 is one
-        stream with `request_id`. Raises like add_request; nothing is queued then.
+        i carries sample_ids(request_id, n)[i] (seed + i when a seed is set). Raises like
+        add_request; nothing is queued then.
 
         One transaction (ADMISSION_STEPS): validate, accept (queue and liveness), prepare the
         output state (detokenizer, stop strings), encode the message, register the streams,
@@ -227,7 +228,7 @@ class AsyncEngine:
         self._fault("validate")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
-        ids = [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+        ids = sample_ids(request_id, n)
         if any(rid in self._streams for rid in ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         self.limits.validate(prompt_token_ids, params, priority)

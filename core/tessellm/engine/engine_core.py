@@ -37,7 +37,7 @@ from tessellm.engine.startup_progress import StartupProgress
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
 from tessellm.plugin_spec import ENTRY_POINT_GROUP
-from tessellm.request import FinishReason
+from tessellm.request import FinishReason, sample_ids
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class EngineCoreLoop:
                 m.prompt_token_ids, params_from_wire(m.params), m.n, request_id=m.request_id,
                 priority=m.priority)
         except (TessellmError, TypeError, ValueError) as e:  # validated by the front end too
-            ids = [m.request_id] if m.n == 1 else [f"{m.request_id}-{i}" for i in range(m.n)]
+            ids = sample_ids(m.request_id, m.n)
             reason = "rejected" if isinstance(e, TessellmError) else "error"
             self.send(StepOutputs([TokenDelta(rid, [], [], True, reason, str(e), 0, 0)
                                    for rid in ids], core_stats(self.engine), [], time.time()))

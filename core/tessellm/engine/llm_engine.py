@@ -38,7 +38,7 @@ from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.kernels.profiler import KernelSelector, token_bucket
 from tessellm.parallel.group import ParallelGroupError
-from tessellm.request import FinishReason, Request
+from tessellm.request import FinishReason, Request, sample_ids
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SLAConfig
 
@@ -206,9 +206,14 @@ class LLMEngine:
             self.parts.parallel.shutdown()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> None:
+                 priority: int = 0, n: int = 1, cache_salt: str | None = None) -> None:
         """Raise InvalidRequestError if the request can never run here. Reads only immutable
         configuration, so the async front end may call it from its own thread."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(
+                f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self.limits.validate(prompt_token_ids, params, priority)
         self._check_prompt_logprobs(params)
 
@@ -237,43 +242,31 @@ class LLMEngine:
         `cache_salt`: only requests with the same salt share prefix-cache blocks.
         `priority`: 0 (most urgent, the default) .. priority_levels - 1; a waiting request
         evicts running ones of a lower priority when the KV pool or the batch is full."""
-        self.validate(prompt_token_ids, params, priority)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(
-                f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        constraint = self._constraint(params)
-        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids), params,
-                          time.monotonic(), eos_token_ids=self.parts.eos_token_ids,
-                          cache_salt=cache_salt, priority=priority, constraint=constraint)
-        self.scheduler.add_request(request)
-        return request
+        return self.add_request_group(prompt_token_ids, params, 1, request_id, cache_salt,
+                                      priority)[0]
 
     def add_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                           request_id: str | None = None, cache_salt: str | None = None,
                           priority: int = 0) -> list[Request]:
         """Validate and queue `n` samples of one prompt (n > 1: copy-on-write siblings that
         share the prompt's KV blocks and compute it once; see tessellm.scheduling.forks).
-        Sample i has id f"{base}-{i}" and, when params.seed is set, seed params.seed + i.
-        n == 1 is add_request. Raises InvalidRequestError (nothing is queued then)."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
-        if n == 1:
-            return [self.add_request(prompt_token_ids, params, request_id, cache_salt, priority)]
-        self.validate(prompt_token_ids, params, priority)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError(
-                f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        Sample i has id sample_ids(base, n)[i] and, when params.seed is set, seed
+        params.seed + i. Raises InvalidRequestError (nothing is queued then)."""
+        self.validate(prompt_token_ids, params, priority, n, cache_salt)
         base = request_id or f"req-{next(self._ids)}"
         now = time.monotonic()
         constraint = self._constraint(params)
         requests = [
-            Request(f"{base}-{i}", list(prompt_token_ids),
+            Request(rid, list(prompt_token_ids),
                     params if params.seed is None else replace(params, seed=params.seed + i),
                     now, eos_token_ids=self.parts.eos_token_ids, cache_salt=cache_salt,
                     priority=priority,
-                    constraint=None if constraint is None else constraint.fork())
-            for i in range(n)]
-        self.scheduler.add_request_group(requests[0], requests[1:])
+                    constraint=None if constraint is None or n == 1 else constraint.fork())
+            for i, rid in enumerate(sample_ids(base, n))]
+        if n == 1:
+            self.scheduler.add_request(requests[0])
+        else:
+            self.scheduler.add_request_group(requests[0], requests[1:])
         return requests
 
     def abort(self, request_id: str) -> None:
