@@ -118,7 +118,7 @@ class AsyncEngine:
                                     self.info.num_kv_blocks)
         self.max_waiting = max_waiting
         self.observer = observer
-        self.stats = CoreStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, {}, {})
+        self.stats = CoreStats()
         self.detokenize_seconds = 0.0
         self.liveness = CoreLiveness(liveness)
         self.fatal_error: str | None = None

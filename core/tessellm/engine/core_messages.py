@@ -92,20 +92,30 @@ class TokenDelta(msgspec.Struct, array_like=True):
     num_output_tokens: int
     prompt_logprobs: list[TokenLogprobs] = []   # once, all of them (prompt tokens 1..)
 
+    @classmethod
+    def final(cls, request_id: str, finish_reason: str, error: str,
+              num_prompt_tokens: int = 0, num_output_tokens: int = 0) -> TokenDelta:
+        """A request's last delta with no new tokens: rejected at admission, or failed."""
+        return cls(request_id=request_id, token_ids=[], logprobs=[], finished=True,
+                   finish_reason=finish_reason, error=error,
+                   num_prompt_tokens=num_prompt_tokens, num_output_tokens=num_output_tokens)
+
 
 class CoreStats(msgspec.Struct, array_like=True):
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    num_steps: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    host_syncs: int
-    stage_seconds: dict[str, float]
-    device_counters: dict[str, float]   # DevicePlugin.runtime_counters() (xla: compilations)
+    """The core's counters as of a report; CoreStats() is the state before any report."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    host_syncs: int = 0
+    stage_seconds: dict[str, float] = {}
+    device_counters: dict[str, float] = {}   # DevicePlugin.runtime_counters() (xla: compiles)
     running_by_priority: list[int] = []  # [i]: running requests of priority class i
     waiting_by_priority: list[int] = []  # [i]: waiting (incl. preempted) ones of class i
     num_overlapped_steps: int = 0        # launched while the previous step was in flight

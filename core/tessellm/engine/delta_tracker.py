@@ -38,9 +38,11 @@ class DeltaTracker:
             reason = r.finish_reason.value if r.is_finished and r.finish_reason else None
             error = (r.error or self.step_errors.pop(rid, "engine step failed")) \
                 if r.finish_reason is FinishReason.ERROR else None
-            out.append(TokenDelta(rid, r.output_token_ids[sent:n], r.output_logprobs[sent:n],
-                                  r.is_finished, reason, error, r.num_prompt_tokens, n,
-                                  prompt_lps))
+            out.append(TokenDelta(
+                request_id=rid, token_ids=r.output_token_ids[sent:n],
+                logprobs=r.output_logprobs[sent:n], finished=r.is_finished,
+                finish_reason=reason, error=error, num_prompt_tokens=r.num_prompt_tokens,
+                num_output_tokens=n, prompt_logprobs=prompt_lps))
             if r.is_finished:
                 del self.sent[rid]
                 self.arrivals.pop(rid, None)
@@ -67,7 +69,7 @@ class DeltaTracker:
         return started
 
     def fail_all(self, error: str) -> list[TokenDelta]:
-        out = [TokenDelta(rid, [], [], True, "error", error, r.num_prompt_tokens,
-                          len(r.output_token_ids)) for rid, (r, _) in self.sent.items()]
+        out = [TokenDelta.final(rid, "error", error, r.num_prompt_tokens,
+                                len(r.output_token_ids)) for rid, (r, _) in self.sent.items()]
         self.sent.clear()
         return out

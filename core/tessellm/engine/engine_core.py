@@ -47,12 +47,16 @@ HEARTBEAT_S = 0.25
 def core_stats(engine: LLMEngine) -> CoreStats:
     s, prefix = engine.stats, engine.scheduler.prefix_cache_stats
     running, waiting = engine.scheduler.num_by_priority()
-    return CoreStats(engine.scheduler.num_running, engine.scheduler.num_waiting,
-                     engine.kv.usage, s.num_steps, s.num_preemptions, s.num_prompt_tokens,
-                     s.num_generated_tokens, prefix.queries, prefix.hits,
-                     engine.runner.host_syncs, dict(engine.stage_times.snapshot()),
-                     engine.parts.device.runtime_counters(), running, waiting,
-                     s.num_overlapped_steps)
+    return CoreStats(
+        num_running=engine.scheduler.num_running, num_waiting=engine.scheduler.num_waiting,
+        kv_usage=engine.kv.usage, num_steps=s.num_steps, num_preemptions=s.num_preemptions,
+        num_prompt_tokens=s.num_prompt_tokens, num_generated_tokens=s.num_generated_tokens,
+        prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits,
+        host_syncs=engine.runner.host_syncs,
+        stage_seconds=dict(engine.stage_times.snapshot()),
+        device_counters=engine.parts.device.runtime_counters(),
+        running_by_priority=running, waiting_by_priority=waiting,
+        num_overlapped_steps=s.num_overlapped_steps)
 
 
 def device_plugin_of(device: object) -> tuple[str, str]:
@@ -67,10 +71,13 @@ def device_plugin_of(device: object) -> tuple[str, str]:
 
 def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
     p = engine.parts
-    return Ready(os.getpid(), p.device.name, str(p.dtype).removeprefix("torch."),
-                 engine.max_model_len, p.spec.vocab_size, p.config.priority_levels,
-                 p.config.block_size, engine.kv.num_blocks, p.weight_bytes,
-                 sorted(p.eos_token_ids), kernel_choices, *device_plugin_of(p.device),
+    plugin, plugin_version = device_plugin_of(p.device)
+    return Ready(pid=os.getpid(), device=p.device.name,
+                 dtype=str(p.dtype).removeprefix("torch."), max_model_len=engine.max_model_len,
+                 vocab_size=p.spec.vocab_size, priority_levels=p.config.priority_levels,
+                 block_size=p.config.block_size, num_kv_blocks=engine.kv.num_blocks,
+                 weight_bytes=p.weight_bytes, eos_token_ids=sorted(p.eos_token_ids),
+                 kernel_choices=kernel_choices, plugin=plugin, plugin_version=plugin_version,
                  max_num_seqs=p.config.max_num_seqs)
 
 
@@ -119,8 +126,8 @@ class EngineCoreLoop:
         except (TessellmError, TypeError, ValueError) as e:  # validated by the front end too
             ids = sample_ids(m.request_id, m.n)
             reason = "rejected" if isinstance(e, TessellmError) else "error"
-            self.send(StepOutputs([TokenDelta(rid, [], [], True, reason, str(e), 0, 0)
-                                   for rid in ids], core_stats(self.engine), [], time.time()))
+            self.send(StepOutputs([TokenDelta.final(rid, reason, str(e)) for rid in ids],
+                                  core_stats(self.engine), [], time.time()))
             return
         for r in requests:
             self.tracker.track(r, m.arrival)

@@ -356,7 +356,7 @@ class ModelRunner:
         shapes ran."""
         shapes = self._padding_shapes()
         for pad in shapes:
-            empty = StepInputs([], [], [], [], [], [], [], [], 0)
+            empty = StepInputs()
             logits, _ = self._forward(empty, [], pad, None)
             self.wait(self._sample(logits, [])[2])
             self.device.synchronize()

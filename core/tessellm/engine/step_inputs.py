@@ -41,15 +41,15 @@ def bucket_at_least(buckets: Sequence[int], n: int) -> int | None:
 class StepInputs:
     """Host-side description of one step (lists; converted to tensors once)."""
 
-    token_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[Sequence[int]]   # read-only views (KVCacheManager.block_table_view)
-    seq_lens: list[int]
-    query_lens: list[int]
-    logits_indices: list[int]
-    sampled: list[Request]
-    num_decodes: int
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[Sequence[int]] = field(default_factory=list)  # read-only views
+    seq_lens: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)
+    num_decodes: int = 0
     pending_rows: list[int] = field(default_factory=list)   # token rows whose id is pending
     pending: list[Request] = field(default_factory=list)    # ... and whose pending token
     # prompt logprobs: token rows whose logits are read besides the sampled ones, and per
@@ -106,7 +106,7 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     prompt logprobs also has its computed prompt positions' rows read (prompt_rows): position
     p's logits give the logprob of prompt token p + 1, for p from the entries it has up to
     the second-to-last prompt token (the last one's logits are the sampled row)."""
-    s = StepInputs([], [], [], [], [], [], [], [], 0)
+    s = StepInputs()
     for sched in out.scheduled:
         r, n = sched.request, sched.num_tokens
         start, stop = r.num_computed_tokens, r.num_computed_tokens + n
