@@ -51,12 +51,14 @@ def _text(version: Version) -> str:
 def check_declared(module: object) -> str | None:
     """Why the plugin `module` is refused for the version it declares, or None."""
     declared = getattr(module, "TESSELLM_API_VERSION", None)
-    supported = f"this tessellm core supports plugin API version {API_VERSION} (major {CORE_VERSION[0]})"
+    supported = (f"this tessellm core supports plugin API version {API_VERSION} "
+                 f"(major {CORE_VERSION[0]})")
     if declared is None:
         return f"the plugin declares no TESSELLM_API_VERSION; {supported}"
     version = parse_version(declared)
     if version is None:
-        return f"the plugin declares TESSELLM_API_VERSION = {declared!r}, not '<major>.<minor>'; {supported}"
+        return (f"the plugin declares TESSELLM_API_VERSION = {declared!r}, not "
+                f"'<major>.<minor>'; {supported}")
     if version[0] != CORE_VERSION[0]:
         return f"the plugin declares API version {declared}; {supported}"
     if version > CORE_VERSION:

@@ -30,7 +30,7 @@ def test_the_control_device_passes_everything(planted, stories_dir) -> None:
     names = {r.check for r in report.results}
     assert {"allocator.accounting", "stream.copy_event", "kernel:linear/planted-good_linear",
             "kernel:attention_decode/planted-good_attention_decode",
-            "end_to_end.stories260K"} <= names
+            "end_to_end.demo", "end_to_end.stories260K"} <= names
 
 
 def test_a_kernel_off_by_a_small_factor_fails_its_kernel_check(planted, stories_dir) -> None:
@@ -39,8 +39,9 @@ def test_a_kernel_off_by_a_small_factor_fails_its_kernel_check(planted, stories_
     detail = failed["kernel:linear/planted-scaled-linear_linear"]
     assert "differ from the reference" in detail and "float32" in detail
     assert not report.passed and list(failed) == ["kernel:linear/planted-scaled-linear_linear"]
-    # 0.1% leaves stories260K's greedy tokens as they are: only the kernel check sees it
+    # 0.1% leaves the greedy tokens as they are: only the kernel check sees it
     assert report.result("end_to_end.stories260K").passed
+    assert report.result("end_to_end.demo").passed
 
 
 def test_attention_that_drops_the_last_cached_token_fails(planted) -> None:

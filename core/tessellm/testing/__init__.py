@@ -8,6 +8,7 @@ In a vendor's CI, one test per check:
     pytest_plugins = ["tessellm.testing"]    from tessellm.testing import test_conformance
 
     pytest --tessellm-device mychip [--tessellm-model path/to/stories260K-hf]
+           [--tessellm-skip end_to_end]
 
 or, without registering the plugin, in the test module itself:
 
@@ -39,7 +40,10 @@ def pytest_addoption(parser: Any) -> None:
     group.addoption("--tessellm-device", action="append", default=[],
                     help="device to run the conformance checks on (repeatable)")
     group.addoption("--tessellm-model", default=None,
-                    help="stories260K-hf directory with reference_greedy.json (end to end)")
+                    help="a model directory with reference_greedy.json: one more end-to-end "
+                         "check beside the built-in demo model's")
+    group.addoption("--tessellm-skip", action="append", default=[],
+                    help="a check group to skip, reported as skipped (repeatable)")
 
 
 def _unplannable(device: str, message: str) -> Check:
@@ -65,11 +69,12 @@ def pytest_generate_tests(metafunc: Any) -> None:
                                 "or set TESSELLM_DEVICES in the test module")
     model = (metafunc.config.getoption("tessellm_model", default=None)
              or getattr(metafunc.module, "TESSELLM_MODEL", None))
+    skip = metafunc.config.getoption("tessellm_skip", default=None) or []
     manager = PluginManager().load()
     params = []
     for name in devices:
         try:
-            checks = plan_checks(name, manager, model)
+            checks = plan_checks(name, manager, model, skip=skip)
         except TessellmError as exc:   # an unknown device is a failing test, not a crash
             checks = [_unplannable(name, f"{type(exc).__name__}: {exc}")]
         params += [pytest.param(c, id=f"{name}:{c.name}") for c in checks]
@@ -77,7 +82,11 @@ def pytest_generate_tests(metafunc: Any) -> None:
 
 
 def test_conformance(tessellm_check: Check) -> None:
-    """One conformance check; its failure message is the check's detail."""
+    """One conformance check; its failure message is the check's detail (a check the user
+    opted out of is a pytest skip)."""
     result = tessellm_check.result()
+    if result.result == "SKIP":
+        import pytest
+        pytest.skip(result.detail)
     if not result.passed:
         raise AssertionError(f"{result.check}: {result.detail}")

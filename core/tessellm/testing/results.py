@@ -1,7 +1,8 @@
 """Results of a conformance run: one CheckResult per check, and their table / JSON forms.
 
-Invariant: a report passes only when it has at least one check and every check passed; a
-check that raised is a failure whose detail names the exception (never a pass, never dropped).
+Invariant: a report passes only when at least one check passed and every other one was
+skipped at the user's request (SKIP); a check that raised is a failure whose detail names the
+exception (never a pass, never dropped).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Outcome = Literal["PASS", "FAIL"]
+Outcome = Literal["PASS", "FAIL", "SKIP"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,6 +23,10 @@ class CheckResult:
     def passed(self) -> bool:
         return self.result == "PASS"
 
+    @property
+    def failed(self) -> bool:
+        return self.result == "FAIL"
+
 
 @dataclass(slots=True)
 class ConformanceReport:
@@ -30,10 +35,13 @@ class ConformanceReport:
 
     @property
     def passed(self) -> bool:
-        return bool(self.results) and all(r.passed for r in self.results)
+        return any(r.passed for r in self.results) and not self.failed()
 
     def failed(self) -> list[CheckResult]:
-        return [r for r in self.results if not r.passed]
+        return [r for r in self.results if r.failed]
+
+    def skipped(self) -> list[CheckResult]:
+        return [r for r in self.results if r.result == "SKIP"]
 
     def result(self, check: str) -> CheckResult:
         """The result of the check called `check` (KeyError naming the known ones if none)."""
@@ -43,10 +51,11 @@ class ConformanceReport:
         raise KeyError(f"no check {check!r}; checks: {', '.join(r.check for r in self.results)}")
 
     def summary(self) -> str:
-        n_fail = len(self.failed())
+        n_fail, n_skip = len(self.failed()), len(self.skipped())
         verdict = "PASSED" if self.passed else "FAILED"
+        skipped = f", {n_skip} skipped" if n_skip else ""
         return (f"device {self.device!r} conformance {verdict}: "
-                f"{len(self.results) - n_fail} passed, {n_fail} failed")
+                f"{len(self.results) - n_fail - n_skip} passed, {n_fail} failed{skipped}")
 
     def to_json(self) -> str:
         return json.dumps({"device": self.device, "passed": self.passed,

@@ -2,14 +2,16 @@
 
 `plan_checks` lists the checks of a device (its availability first; when it is available,
 memory info, allocator, upload, host allocator, streams and events, one check per kernel it
-offers, then end to end). `run_checks` runs them in order: a check passes when it returns (its
-detail), fails when it raises — CheckFailed carries the verdict, any other exception is a
-failure naming its type. Nothing is skipped silently: an unavailable device yields its failed
-availability check alone, and the report fails.
+offers, then end to end: the built-in demo model always, a named model directory's reference
+too). `run_checks` runs them in order: a check passes when it returns (its detail), fails when
+it raises — CheckFailed carries the verdict, any other exception is a failure naming its type.
+Nothing is skipped silently: only groups the user names in `skip` are skipped, each of their
+checks listed as SKIP; an unavailable device yields its failed availability check alone, and
+the report fails.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -19,7 +21,7 @@ from tessellm.kernels.reference import REFERENCE_OPS
 from tessellm.plugins import PluginManager
 from tessellm.testing import memory_checks as mem
 from tessellm.testing import stream_checks as streams
-from tessellm.testing.end_to_end import check_stories_greedy
+from tessellm.testing.end_to_end import check_demo_greedy, check_stories_greedy, named_model_dir
 from tessellm.testing.kernel_cases import Padding
 from tessellm.testing.kernel_checks import CheckFailed, check_kernel
 from tessellm.testing.results import CheckResult, ConformanceReport
@@ -28,13 +30,19 @@ GROUPS = ("availability", "memory", "allocator", "host_allocator", "streams", "k
           "end_to_end")
 
 
+SKIPPED = "skipped at the user's request"
+
+
 @dataclass(slots=True, frozen=True)
 class Check:
     name: str
     group: str
     run: Callable[[], str]
+    skipped: bool = False      # the user opted out of its group: SKIP, not run
 
     def result(self) -> CheckResult:
+        if self.skipped:
+            return CheckResult(self.name, "SKIP", f"{SKIPPED} (skip {self.group})")
         try:
             return CheckResult(self.name, "PASS", self.run())
         except CheckFailed as exc:
@@ -75,14 +83,19 @@ def _kernel_checks(manager: PluginManager, device: DevicePlugin) -> list[Check]:
 
 def plan_checks(device_name: str, manager: PluginManager | None = None,
                 model_dir: str | Path | None = None,
-                groups: Iterable[str] | None = None) -> list[Check]:
+                groups: Iterable[str] | None = None,
+                skip: Iterable[str] = ()) -> list[Check]:
     """The checks of `device_name` (ConfigError for a device no loaded plugin provides, or an
-    unknown group). `groups` limits them to some of GROUPS (default: all)."""
+    unknown group). `groups` limits them to some of GROUPS (default: all); the checks of the
+    groups in `skip` (availability cannot be skipped) are listed but not run."""
     manager = manager or PluginManager().load()
     chosen = set(GROUPS if groups is None else groups)
-    if chosen - set(GROUPS):
-        raise ConfigError(f"unknown conformance group(s) {sorted(chosen - set(GROUPS))}; "
-                          f"groups: {', '.join(GROUPS)}")
+    skipped = set(skip)
+    if (chosen | skipped) - set(GROUPS):
+        unknown = sorted((chosen | skipped) - set(GROUPS))
+        raise ConfigError(f"unknown conformance group(s) {unknown}; groups: {', '.join(GROUPS)}")
+    if "availability" in skipped:
+        raise ConfigError("the availability check cannot be skipped")
     manager.kernel_registry()          # availability includes whether kernels() works
     devices = manager.devices()
     if device_name not in devices:
@@ -111,9 +124,13 @@ def plan_checks(device_name: str, manager: PluginManager | None = None,
         Check("stream.wait_on_compute", "streams", lambda: streams.check_wait_on_compute(device)),
     ]
     checks += _kernel_checks(manager, device)
-    checks.append(Check("end_to_end.stories260K", "end_to_end",
-                        lambda: check_stories_greedy(manager, device_name, model_dir)))
-    return [c for c in checks if c.group in chosen or c.group == "availability"]
+    checks.append(Check("end_to_end.demo", "end_to_end",
+                        lambda: check_demo_greedy(manager, device_name)))
+    if named_model_dir(model_dir) is not None:
+        checks.append(Check("end_to_end.stories260K", "end_to_end",
+                            lambda: check_stories_greedy(manager, device_name, model_dir)))
+    return [replace(c, skipped=c.group in skipped) for c in checks
+            if c.group in chosen or c.group == "availability"]
 
 
 def run_checks(device_name: str, checks: Iterable[Check]) -> ConformanceReport:
@@ -122,6 +139,7 @@ def run_checks(device_name: str, checks: Iterable[Check]) -> ConformanceReport:
 
 def run_conformance(device_name: str, manager: PluginManager | None = None,
                     model_dir: str | Path | None = None,
-                    groups: Iterable[str] | None = None) -> ConformanceReport:
+                    groups: Iterable[str] | None = None,
+                    skip: Iterable[str] = ()) -> ConformanceReport:
     """Plans and runs the suite of one device; `report.passed` is the verdict."""
-    return run_checks(device_name, plan_checks(device_name, manager, model_dir, groups))
+    return run_checks(device_name, plan_checks(device_name, manager, model_dir, groups, skip))
