@@ -343,8 +343,3 @@ class DevicePlugin(ABC):
         collectives do not go through torch.distributed. None (the default): the engine uses
         torch.distributed with `distributed_backend` (gloo on cpu, nccl on cuda)."""
         return None
-
-    def require_available(self) -> None:
-        a = self.is_available()
-        if not a.available:
-            raise DeviceUnavailableError(f"device {self.name!r} is not available: {a.reason}")

@@ -110,11 +110,6 @@ class SwapSpace:
     def num_swapped(self) -> int:
         return len(self._tables)
 
-    @property
-    def num_host_blocks_held(self) -> int:
-        """Host blocks in swapped-out requests' tables or released this step."""
-        return self.pool.num_blocks - self.pool.num_free_blocks
-
     def swap_out(self, request: SequenceState) -> bool:
         """Move a running request's computed KV to host blocks and free its device blocks.
         False (nothing changed) when it has nothing computed or the host pool is short (a

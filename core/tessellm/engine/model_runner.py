@@ -369,15 +369,6 @@ class ModelRunner:
                 count *= 2
         return len(shapes)
 
-    def execute(
-        self, out: SchedulerOutput, kv: KVCacheManager
-    ) -> tuple[list[Request], list[int], list[TokenLogprobs | None]]:
-        """Run one step (launch, then collect); returns the requests that sampled, their new
-        token ids and, per request, the token's logprobs (None where its params.logprobs is
-        None)."""
-        step = self.launch(out, kv)
-        return step.sampled, self.collect(step), step.logprobs
-
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueue one step: block ops, inputs, the plan, sampling and the copy of the ids to
