@@ -4,7 +4,12 @@ The public names are imported on first use (PEP 562), so `import tessellm` (and 
 front end, which never runs a model) does not pay for torch."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:   # for type checkers and the API docs (mkdocstrings reads these statically)
+    from tessellm.constraints.structured_outputs import StructuredOutputs
+    from tessellm.llm import LLM, CompletionOutput, RequestOutput
+    from tessellm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
