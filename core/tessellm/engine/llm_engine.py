@@ -40,7 +40,7 @@ from tessellm.kernels.profiler import KernelSelector, token_bucket
 from tessellm.parallel.group import ParallelGroupError
 from tessellm.request import FinishReason, Request, sample_ids
 from tessellm.sampling_params import SamplingParams
-from tessellm.scheduler import Scheduler, SchedulerConfig, SLAConfig
+from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
 
 
 class StepError(TessellmError, RuntimeError):
@@ -281,39 +281,38 @@ class LLMEngine:
         return self.runner.overlap
 
     def step(self) -> list[Request]:
-        """One engine step; returns requests that finished in it (with async scheduling: in
-        the step completed by this call, the one launched by the previous call)."""
+        """One engine step: schedule, run, sample, update; returns the requests that finished
+        in it. With async scheduling the step this call completes is the one launched by the
+        previous call (`_step_overlapped`)."""
         if self.parts.parallel is not None:
             self.check_alive()
             self.wait_for_ranks()
-        previous, self._in_flight = self._in_flight, None
-        previous_t0 = self._in_flight_t0
+        if self.runner.overlap:
+            return self._step_overlapped()
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        self.stage_times.add("schedule", time.perf_counter() - t0)
-        self.stats.num_swapped_out_blocks += len(out.swap_out)
-        self.stats.num_swapped_in_blocks += len(out.swap_in)
+        out = self._schedule()
+        if not out.scheduled:
+            self._block_ops_only(out)
+            return []
+        launched = self._launch(out)
+        return self._complete(launched, t0)
+
+    def _step_overlapped(self) -> list[Request]:
+        """Async scheduling: launch step N+1, then complete step N (in flight since the last
+        call). N+1 stays in flight unless a row's next logits need its ids on the host
+        (`_can_stay_in_flight`); then it completes now too. A failing N does not stop N+1."""
+        previous, previous_t0 = self._in_flight, self._in_flight_t0
+        self._in_flight = None
+        t0 = time.perf_counter()
+        out = self._schedule()
         if not out.scheduled:
             finished = self._complete(previous, previous_t0) if previous is not None else []
-            if out.has_block_ops:   # a step that only preempted: its swap-outs still run
-                self._block_ops_only(out)
+            self._block_ops_only(out)
             return finished
-        try:
-            launched = self.runner.launch(out, self.kv, previous)
-        except Exception as exc:
-            error = self._fail_step(out, exc)
-            if previous is not None:        # the step in flight still completes
-                try:
-                    self._complete(previous, previous_t0)
-                except StepError as also:
-                    if isinstance(error, StepError):
-                        error.failed += also.failed
-            raise error from exc
+        launched = self._launch(out, previous, previous_t0)
         if previous is not None:
             self.stats.num_overlapped_steps += 1
-        self._count_prompt_tokens(out)
-        self.scheduler.commit(out)
-        stay = self.runner.overlap and self._can_stay_in_flight(launched)
+        stay = self._can_stay_in_flight(launched)
         self._in_flight, self._in_flight_t0 = launched, t0   # in flight while N completes
         try:
             finished = self._complete(previous, previous_t0) if previous is not None else []
@@ -329,6 +328,34 @@ class LLMEngine:
             return finished
         self._in_flight = None
         return finished + self._complete(launched, t0)
+
+    def _schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.stage_times.add("schedule", time.perf_counter() - t0)
+        self.stats.num_swapped_out_blocks += len(out.swap_out)
+        self.stats.num_swapped_in_blocks += len(out.swap_in)
+        return out
+
+    def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None,
+                previous_t0: float = 0.0) -> LaunchedStep:
+        """Enqueue the step and commit it in the scheduler. A step that fails to launch fails
+        its requests (StepError, or ParallelGroupError when fatal); `previous`, a step in
+        flight, still completes first."""
+        try:
+            launched = self.runner.launch(out, self.kv, previous)
+        except Exception as exc:
+            error = self._fail_step(out, exc)
+            if previous is not None:
+                try:
+                    self._complete(previous, previous_t0)
+                except StepError as also:
+                    if isinstance(error, StepError):
+                        error.failed += also.failed
+            raise error from exc
+        self._count_prompt_tokens(out)
+        self.scheduler.commit(out)
+        return launched
 
     @staticmethod
     def _can_stay_in_flight(step: LaunchedStep) -> bool:
@@ -384,7 +411,11 @@ class LLMEngine:
         self._last_completed = t2
         return finished
 
-    def _block_ops_only(self, out) -> None:
+    def _block_ops_only(self, out: SchedulerOutput) -> None:
+        """A step that scheduled no tokens may still have block work (its preemptions'
+        swap-outs): run it."""
+        if not out.has_block_ops:
+            return
         try:
             self.runner.apply_block_ops(out, self.kv)
         except Exception as exc:
