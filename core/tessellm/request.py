@@ -28,6 +28,12 @@ def sample_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
+def max_kv_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """Most tokens whose KV a request will ever hold: it stops once it has max_tokens outputs
+    or max_model_len tokens, and its last sampled token is never computed."""
+    return min(num_prompt_tokens + max_tokens, max_model_len) - 1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -38,8 +38,9 @@ Invariants:
   * a request is never evicted for a waiting request of an equal or worse effective priority;
     a preempted request goes back ahead of every later arrival of its class;
   * progress: every step with unfinished requests schedules at least one token (the first
-    request of the step fits the pool alone, which add_request checks), otherwise schedule()
-    raises SchedulerError naming the request; with aging on every request finishes.
+    request of the step fits the pool alone, which validation promised and add_request
+    asserts), otherwise schedule() raises SchedulerError naming the request; with aging on
+    every request finishes.
 
 schedule() and update_from_output() alternate: the computed counts move only in the latter,
 except that admission sets a request's count to its prefix-cache hit. update_from_output()
@@ -100,9 +101,9 @@ class Scheduler:
     # ---- admission and removal -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request at its `priority`. Raises InvalidRequestError for a duplicate
-        id, a request that is not fresh, a priority outside 0..priority_levels-1, a prompt
-        longer than max_model_len, or one that could never fit the pool."""
+        """Queue a new request at its `priority`. The request was validated where it entered
+        (tessellm.engine.request_limits); raises InvalidRequestError only for an id already
+        in the scheduler (RequestScheduler.check asserts the rest)."""
         if self._forks.get(request.request_id) is not None:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already in the scheduler")
@@ -111,7 +112,8 @@ class Scheduler:
     def add_request_group(self, parent: Request, children: Iterable[Request]) -> None:
         """Queue `parent`; its `children` (same prompt, priority and salt) wait until the
         parent's prompt is computed, then fork from it (see tessellm.scheduling.forks).
-        Raises InvalidRequestError, queueing nothing, if any of them could not be added."""
+        Raises InvalidRequestError, queueing nothing, for an id already in the scheduler or
+        used twice, or a sibling that does not match its parent."""
         children = list(children)
         for request in [parent, *children]:
             if self._forks.get(request.request_id) is not None:

@@ -58,7 +58,7 @@ async def collect(stream) -> list[int]:
 
 
 def assert_no_trace(engine: AsyncEngine, stats) -> None:
-    assert engine.num_unfinished == 0 and engine.num_queued == 0 and engine.num_waiting == 0
+    assert engine._streams == {} and engine.num_queued == 0 and engine.num_waiting == 0
     assert engine._outputs.tracked == {} and engine._unscheduled == set()
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0
 

@@ -1,9 +1,9 @@
 """AsyncEngine: the asyncio front end of one engine core (EngineCoreClient).
 
-On the event loop it validates requests (RequestLimits, the same rule the core applies),
-sends adds and finishes to the core, and runs one output task that receives the core's
-StepOutputs, detokenizes and applies stop strings (OutputProcessor) and feeds each request's
-RequestStream. The step loop itself runs in the core (its own process in the server), so the
+On the event loop it validates requests (RequestLimits, from the core's Ready: where a
+request enters), sends adds and finishes to the core, and runs one output task that receives
+the core's StepOutputs, detokenizes and applies stop strings (OutputProcessor) and feeds each
+request's RequestStream. The step loop itself runs in the core (its own process in the server), so the
 event loop never waits on a step and the two never share an interpreter lock.
 Orderings: a request's deltas arrive in generation order and its last delta has
 `finished=True`. Closing or cancelling a stream aborts its request (the core frees its blocks
@@ -115,7 +115,7 @@ class AsyncEngine:
         self.info = core.ready
         self.limits = RequestLimits(self.info.priority_levels, self.info.vocab_size,
                                     self.info.max_model_len, self.info.block_size,
-                                    self.info.num_kv_blocks)
+                                    self.info.num_kv_blocks, self.info.prompt_logprobs)
         self.max_waiting = max_waiting
         self.observer = observer
         self.stats = CoreStats()
@@ -155,10 +155,6 @@ class AsyncEngine:
 
     async def wait_dead(self) -> None:
         await self._dead.wait()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._streams)
 
     @property
     def num_waiting(self) -> int:
@@ -226,12 +222,10 @@ class AsyncEngine:
         output state (detokenizer, stop strings), encode the message, register the streams,
         send. Only `register` changes this engine's state, and a failure of `send` undoes it."""
         self._fault("validate")
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
+        self.limits.validate(prompt_token_ids, params, priority, n)
         ids = sample_ids(request_id, n)
         if any(rid in self._streams for rid in ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        self.limits.validate(prompt_token_ids, params, priority)
         self._fault("accept")
         self._check_accepting(n)
         self._fault("outputs")

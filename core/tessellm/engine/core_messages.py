@@ -41,7 +41,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class Ready(msgspec.Struct, tag=True):
-    """What the front end needs to validate requests and describe the model."""
+    """What the front end needs to validate requests (RequestLimits) and describe the model."""
 
     pid: int
     device: str
@@ -57,6 +57,7 @@ class Ready(msgspec.Struct, tag=True):
     plugin: str = ""                # entry-point name of the plugin providing the device
     plugin_version: str = ""        # its distribution's version
     max_num_seqs: int = 0           # the running batch's sequence cap (0: unknown)
+    prompt_logprobs: bool = True    # False on a device whose steps have static shapes
 
 
 class StartupFailed(msgspec.Struct, tag=True):

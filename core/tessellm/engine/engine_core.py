@@ -70,15 +70,17 @@ def device_plugin_of(device: object) -> tuple[str, str]:
 
 
 def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
-    p = engine.parts
+    p, c = engine.parts, engine.parts.config
     plugin, plugin_version = device_plugin_of(p.device)
     return Ready(pid=os.getpid(), device=p.device.name,
                  dtype=str(p.dtype).removeprefix("torch."), max_model_len=engine.max_model_len,
-                 vocab_size=p.spec.vocab_size, priority_levels=p.config.priority_levels,
-                 block_size=p.config.block_size, num_kv_blocks=engine.kv.num_blocks,
+                 vocab_size=p.spec.vocab_size, priority_levels=c.priority_levels,
+                 block_size=c.block_size, num_kv_blocks=engine.kv.num_blocks,
                  weight_bytes=p.weight_bytes, eos_token_ids=sorted(p.eos_token_ids),
                  kernel_choices=kernel_choices, plugin=plugin, plugin_version=plugin_version,
-                 max_num_seqs=p.config.max_num_seqs)
+                 max_num_seqs=c.max_num_seqs,
+                 prompt_logprobs=p.device.static_shapes(c.max_num_batched_tokens,
+                                                        c.max_num_seqs) is None)
 
 
 class EngineCoreLoop:

@@ -1,25 +1,37 @@
-"""RequestLimits: what decides whether a request can ever run on an engine, as plain values,
-so the front end of an engine-core process validates exactly as the core does."""
+"""RequestLimits: the one rule set that decides whether a request can ever run on an engine,
+as plain values, so the front end of an engine-core process validates exactly as the core does.
+
+A request is validated where it enters (AsyncEngine.add_request_group, LLMEngine.validate);
+the scheduler trusts what was validated and only asserts its invariants (a non-empty prompt
+shorter than max_model_len, KV that fits the pool alone: tessellm.request.max_kv_tokens).
+"""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tessellm.errors import InvalidRequestError
+from tessellm.request import max_kv_tokens
 from tessellm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
+    """prompt_logprobs: whether the engine can return prompt logprobs (a device whose steps
+    have static shapes cannot)."""
+
     priority_levels: int
     vocab_size: int
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    prompt_logprobs: bool = True
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> None:
-        """Raise InvalidRequestError if the request can never run (nothing else changes)."""
+                 priority: int = 0, n: int = 1) -> None:
+        """Raise InvalidRequestError if `n` samples of the request can never run (nothing
+        else changes)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
         levels = self.priority_levels
         if not isinstance(priority, int) or isinstance(priority, bool) \
                 or not 0 <= priority < levels:
@@ -45,8 +57,12 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate")
-        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        needed = math.ceil(total / self.block_size)
+        kv_tokens = max_kv_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len)
+        needed = -(-kv_tokens // self.block_size)
         if needed > self.num_kv_blocks:
             raise InvalidRequestError(f"the request needs {needed} KV blocks but the pool has "
                                       f"{self.num_kv_blocks}")
+        if params.prompt_logprobs is not None and not self.prompt_logprobs:
+            raise InvalidRequestError("prompt logprobs are not supported on this engine's "
+                                      "device, whose steps have static shapes",
+                                      "prompt_logprobs")

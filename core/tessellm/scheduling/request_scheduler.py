@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.errors import ConfigError, InvalidRequestError
-from tessellm.request import Request, RequestStatus
+from tessellm.request import Request, RequestStatus, max_kv_tokens
 
 MAX_PRIORITY_LEVELS = 64
 
@@ -86,9 +86,8 @@ class RequestScheduler:
     # ---- admission -------------------------------------------------------------------------
 
     def add(self, request: Request) -> Ticket:
-        """Validate and queue a new request. Raises InvalidRequestError for a duplicate id, a
-        request that is not fresh, an empty prompt or one longer than max_model_len, one that
-        could never fit the KV pool, or a priority outside 0..priority_levels-1."""
+        """Queue a new request. It was validated where it entered (RequestLimits); raises
+        InvalidRequestError only for an id already in the scheduler."""
         self.check(request)
         p = request.priority
         ticket = Ticket(request, self._next_arrival, self.step, p, p)
@@ -98,30 +97,19 @@ class RequestScheduler:
         return ticket
 
     def check(self, request: Request) -> None:
-        """Raise InvalidRequestError if `request` cannot be added (see `add`)."""
+        """Raise InvalidRequestError if the request's id is in the scheduler already. Asserts
+        what validation promised: a fresh request of a known priority class whose prompt is
+        shorter than max_model_len and whose KV fits the pool alone (the progress invariant
+        of tessellm.scheduler rests on it)."""
         rid = request.request_id
         if rid in self._tickets:
             raise InvalidRequestError(f"request id {rid!r} is already in the scheduler")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
-            raise InvalidRequestError(
-                f"request {rid!r} must be waiting with no computed tokens to be added")
-        p = request.priority
-        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < self.priority_levels:
-            raise InvalidRequestError(
-                f"request {rid!r}: priority must be an integer in 0..{self.priority_levels - 1} "
-                f"(0 is the most urgent), got {p!r}")
-        n_prompt = request.num_prompt_tokens
-        if n_prompt < 1:
-            raise InvalidRequestError(f"request {rid!r} has an empty prompt")
-        if n_prompt > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {rid!r}: prompt of {n_prompt} tokens exceeds max_model_len "
-                f"{self.max_model_len}")
-        need = self._kv.num_blocks_needed(self.max_kv_tokens(request))
-        if need > self._kv.num_blocks:
-            raise InvalidRequestError(
-                f"request {rid!r} may need {need} KV blocks but the cache has "
-                f"{self._kv.num_blocks}")
+        assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0, rid
+        assert 0 <= request.priority < self.priority_levels, (rid, request.priority)
+        assert 0 < request.num_prompt_tokens < self.max_model_len, rid
+        assert self._kv.num_blocks_needed(max_kv_tokens(
+            request.num_prompt_tokens, request.params.max_tokens, self.max_model_len)) \
+            <= self._kv.num_blocks, rid
 
     def adopt(self, request: Request, level: int) -> Ticket:
         """A ticket for a request that starts running without queueing (a forked sibling,
@@ -131,13 +119,6 @@ class RequestScheduler:
         self._next_arrival += 1
         self._tickets[request.request_id] = ticket
         return ticket
-
-    def max_kv_tokens(self, request: Request) -> int:
-        """Most tokens whose KV the request will ever hold: its last sampled token is never
-        computed, and it stops once num_tokens reaches max_model_len."""
-        n_prompt = request.num_prompt_tokens
-        more = min(request.params.max_tokens - 1, self.max_model_len - 1 - n_prompt)
-        return n_prompt + max(more, 0)
 
     # ---- priorities ------------------------------------------------------------------------
 

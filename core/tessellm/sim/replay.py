@@ -16,8 +16,10 @@ With config.preemption_mode="swap", victims are swapped to config.num_host_block
 the report counts the blocks copied each way and the recompute fallbacks (host pool short).
 Copies cost no virtual time in this cost model.
 
-Invariants: every request of the trace finishes (or is rejected by add_request, counted);
-the simulation ends with every KV block free, which replay() checks.
+Requests are validated as where they enter an engine (RequestLimits; the trace's token ids
+are taken as its vocabulary). Invariants: every request of the trace finishes (or is rejected
+by that validation, counted); the simulation ends with every KV block free, which replay()
+checks.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.engine.request_limits import RequestLimits
 from tessellm.errors import ConfigError, InvalidRequestError
 from tessellm.request import Request
 from tessellm.sampling_params import SamplingParams
@@ -65,6 +68,9 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, num_kv_blocks: in
     cost = cost or CostModel()
     kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
     sched = Scheduler(config, kv)
+    vocab_size = 1 + max((max(t.prompt, default=0) for t in trace), default=0)
+    limits = RequestLimits(config.priority_levels, vocab_size, config.max_model_len,
+                           block_size, num_kv_blocks)
     wall0 = time.perf_counter()
     n = len(trace)
     index: dict[str, int] = {}
@@ -84,11 +90,13 @@ def replay(trace: list[TraceRequest], config: SchedulerConfig, num_kv_blocks: in
                                                            ignore_eos=True)
             rid = str(nxt)
             try:
+                limits.validate(tr.prompt, p, tr.priority)
+            except InvalidRequestError:
+                rejected += 1
+            else:
                 sched.add_request(Request(rid, tr.prompt, p, tr.arrival_s,
                                           priority=tr.priority))
                 index[rid] = nxt
-            except InvalidRequestError:
-                rejected += 1
             nxt += 1
         if not sched.has_unfinished:
             continue
