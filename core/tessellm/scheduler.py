@@ -3,8 +3,8 @@ preemptive priorities). This module is the facade; the parts live in tessellm.sc
 
   request scheduler  admission, priority classes (0 most urgent .. priority_levels - 1), aging
   batch scheduler    which requests run under the token budget, the sequence cap and the KV
-                     pool; preemption (a waiting request evicts running ones of a worse level)
-  token scheduler    how many tokens each: min(missing, budget, long_prefill_token_threshold)
+                     pool, and how many tokens each (min(missing, budget)); preemption (a
+                     waiting request evicts running ones of a worse level)
   SLA batch sizer    optional: the sequence cap follows the measured p99 inter-token latency
 
 There is no prefill phase. A request has num_computed_tokens out of num_tokens; each step the
@@ -76,7 +76,6 @@ from tessellm.scheduling.output_checks import check_output, check_running, check
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
 from tessellm.scheduling.request_scheduler import RequestScheduler
 from tessellm.scheduling.sla import SLABatchSizer, SLAConfig
-from tessellm.scheduling.token_scheduler import TokenScheduler
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerError",
            "SchedulerOutput", "SLAConfig"]
@@ -88,10 +87,9 @@ class Scheduler:
         self._prefix_stats = PrefixCacheStats()
         self._requests = RequestScheduler(config.priority_levels, config.aging_interval_steps,
                                           config.max_model_len, kv)
-        self._tokens = TokenScheduler(config.long_prefill_token_threshold)
         self._swap = SwapSpace(kv, config.num_host_blocks) \
             if config.preemption_mode == "swap" else None
-        self._batch = BatchScheduler(kv, self._tokens, self._requests,
+        self._batch = BatchScheduler(kv, self._requests,
                                      config.max_num_batched_tokens, self.preempt,
                                      self._prefix_stats, self._swap)
         self._sla = SLABatchSizer(config.sla, config.max_num_seqs) if config.sla else None

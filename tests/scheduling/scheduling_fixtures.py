@@ -19,11 +19,11 @@ def make_request(rid: str, n_prompt: int, max_tokens: int, priority: int = 0,
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   budget: int = 64, max_model_len: int = 256, threshold: int = 0,
+                   budget: int = 64, max_model_len: int = 256,
                    levels: int = 3, aging: int = 0, caching: bool = False,
                    sla: SLAConfig | None = None, swap_blocks: int | None = None) -> Scheduler:
     """swap_blocks: None for recompute preemption, else swap mode with that many host blocks."""
-    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, threshold, levels, aging, sla,
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, levels, aging, sla,
                           "recompute" if swap_blocks is None else "swap", swap_blocks or 0)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching))
 
@@ -91,8 +91,6 @@ def check_limits_and_blocks(sched: Scheduler, out: SchedulerOutput) -> None:
     assert out.num_batched_tokens == sum(sizes) <= cfg.max_num_batched_tokens
     assert len(out.scheduled) <= sched.num_running <= cfg.max_num_seqs
     assert all(n >= 1 for n in sizes)
-    if cfg.long_prefill_token_threshold:
-        assert max(sizes, default=0) <= cfg.long_prefill_token_threshold
     assert sizes == sorted(sizes, key=lambda n: n != 1)          # one-token entries first
     ids = [s.request.request_id for s in out.scheduled]
     assert len(ids) == len(set(ids))

@@ -1,13 +1,18 @@
 """Batch scheduler with priorities: truly preemptive (a waiting request evicts running ones of
 a worse level, for blocks or for a sequence slot), never in vain and never an equal, the
 budget served in priority order, aging against starvation; random workloads keep every
-invariant and give the tokens of an unconstrained run."""
+invariant and give the tokens of an unconstrained run; each request's grant is
+min(missing, budget), prompt-logprob requests in chunks of PROMPT_LOGITS_CHUNK."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from scheduling_fixtures import Tracker, check_step, make_request, make_scheduler
 from tessellm.request import FinishReason, Request, RequestStatus
+from tessellm.sampling_params import SamplingParams
+from tessellm.scheduling import SchedulerError
+from tessellm.scheduling.batch_scheduler import PROMPT_LOGITS_CHUNK, num_new_tokens
 
 
 def names(requests) -> list[str]:
@@ -16,6 +21,29 @@ def names(requests) -> list[str]:
 
 def shape(out) -> list[tuple[str, int]]:
     return [(s.request.request_id, s.num_tokens) for s in out.scheduled]
+
+
+def test_grant_prefill_chunk_decode_and_hit() -> None:
+    r = make_request("a", 50, 4)
+    assert num_new_tokens(r, 64) == 50
+    assert num_new_tokens(r, 16) == 16
+    assert num_new_tokens(r, 64, num_computed=48) == 2      # after a prefix-cache hit
+    r.num_computed_tokens = 50
+    r.output_token_ids.append(3)
+    assert num_new_tokens(r, 64) == 1                       # decode
+    r.num_computed_tokens = 51
+    with pytest.raises(SchedulerError, match="'a'"):
+        num_new_tokens(r, 64)
+    logits = Request("p", [7] * 600, SamplingParams(max_tokens=1, prompt_logprobs=0), 0.0)
+    assert num_new_tokens(logits, 1000) == PROMPT_LOGITS_CHUNK
+
+
+@given(prompt=st.integers(1, 300), done=st.integers(0, 299), budget=st.integers(1, 500))
+def test_grant_is_the_missing_tokens_under_the_budget(prompt: int, done: int,
+                                                        budget: int) -> None:
+    done = min(done, prompt - 1)
+    assert num_new_tokens(make_request("a", prompt, 1), budget, done) == \
+        min(prompt - done, budget)
 
 
 def reference_tokens(specs: list[tuple[str, int, int]]) -> dict[str, list[int]]:
@@ -193,18 +221,18 @@ workload = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integer
 @settings(max_examples=200, deadline=None)
 @given(reqs=workload, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 4),
        max_num_seqs=st.integers(1, 5), budget=st.integers(1, 40),
-       threshold=st.sampled_from([0, 0, 5]), aging=st.sampled_from([0, 1, 3, 10]),
+       aging=st.sampled_from([0, 1, 3, 10]),
        caching=st.booleans(), shared=st.booleans())
 def test_random_priority_workloads(reqs: list[tuple[int, int, int, int]], block_size: int,
                                    extra_blocks: int, max_num_seqs: int, budget: int,
-                                   threshold: int, aging: int, caching: bool,
+                                   aging: int, caching: bool,
                                    shared: bool) -> None:
     """Requests of random priorities arrive at random steps in a pool that forces
     preemption. Every step keeps the limits, the block accounting and the eviction rule;
     every request finishes with the tokens it has when run alone."""
     needed = max(-(-(p + m) // block_size) for p, m, _, _ in reqs)
     sched = make_scheduler(needed + extra_blocks, block_size, max_num_seqs, budget,
-                           threshold=threshold, levels=3, aging=aging, caching=caching)
+                           levels=3, aging=aging, caching=caching)
     t = Tracker(sched)
     prompts = [list(range(1, p + 1)) if shared else [i + 1] * p
                for i, (p, _, _, _) in enumerate(reqs)]

@@ -26,8 +26,8 @@ def make_request(rid: str, n_prompt: int, max_tokens: int, eos: frozenset[int] =
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   threshold: int = 0, prefix_caching: bool = False) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, threshold)
+                   prefix_caching: bool = False) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size,
                                          enable_prefix_caching=prefix_caching))
 
@@ -76,16 +76,6 @@ def test_chunked_prefill_splits_a_long_prompt() -> None:
     assert r.output_token_ids == [TOKEN]                    # sampled only after the last chunk
     out, done = step(sched)
     assert shape(out) == [("a", 1)] and done == [r]
-
-
-def test_long_prefill_threshold_caps_each_request() -> None:
-    sched = make_scheduler(max_num_batched_tokens=64, threshold=8)
-    sched.add_request(make_request("a", 20, 2))
-    sched.add_request(make_request("b", 5, 2))
-    out, _ = step(sched)
-    assert shape(out) == [("a", 8), ("b", 5)]
-    out, _ = step(sched)
-    assert shape(out) == [("b", 1), ("a", 8)]               # b decodes, first
 
 
 def test_decodes_come_first() -> None:
@@ -247,7 +237,7 @@ def test_no_progress_raises_naming_the_request() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_num_seqs=0), dict(max_num_batched_tokens=-1),
-                                    dict(max_model_len=0), dict(long_prefill_token_threshold=-1)])
+                                    dict(max_model_len=0)])
 def test_config_validation(kwargs: dict[str, int]) -> None:
     base = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     with pytest.raises(ConfigError):
@@ -261,17 +251,16 @@ workload = st.lists(st.tuples(st.integers(1, 100), st.integers(1, 30), st.intege
 @settings(max_examples=100, deadline=None)
 @given(reqs=workload, block_size=st.sampled_from([1, 2, 4, 16]),
        extra_blocks=st.integers(0, 12), max_num_seqs=st.integers(1, 5),
-       budget=st.integers(1, 48), threshold=st.sampled_from([0, 0, 3, 16]),
-       caching=st.booleans())
+       budget=st.integers(1, 48), caching=st.booleans())
 def test_random_workloads_finish_within_limits(
         reqs: list[tuple[int, int, int]], block_size: int, extra_blocks: int,
-        max_num_seqs: int, budget: int, threshold: int, caching: bool) -> None:
+        max_num_seqs: int, budget: int, caching: bool) -> None:
     """Requests arrive at random steps; a fake model samples TOKEN. Every step keeps the
     limits, and every request ends with exactly max_tokens outputs and no block held.
     (All prompts are the same token, so with caching on, later requests hit earlier ones.)"""
     needed = max(-(-(p + m) // block_size) for p, m, _ in reqs)   # the engine's admission rule
     sched = make_scheduler(needed + extra_blocks, block_size, max_num_seqs, budget,
-                           max_model_len=256, threshold=threshold, prefix_caching=caching)
+                           max_model_len=256, prefix_caching=caching)
     requests = [make_request(str(i), p, m) for i, (p, m, _) in enumerate(reqs)]
     arrivals = sorted(range(len(reqs)), key=lambda i: reqs[i][2])
     total_scheduled, busy_steps, t = 0, 0, 0
@@ -306,13 +295,14 @@ def test_random_workloads_finish_within_limits(
 @settings(max_examples=60, deadline=None)
 @given(reqs=workload, block_size=st.sampled_from([1, 4, 16]), extra_blocks=st.integers(0, 8),
        max_num_seqs=st.integers(1, 5), budget=st.integers(1, 48),
-       max_model_len=st.integers(100, 140), caching=st.booleans(), data=st.data())
+       max_model_len=st.integers(101, 140), caching=st.booleans(), data=st.data())
 def test_random_eos_aborts_and_length_caps_leave_nothing_behind(
         reqs: list[tuple[int, int, int]], block_size: int, extra_blocks: int,
         max_num_seqs: int, budget: int, max_model_len: int, caching: bool,
         data: st.DataObject) -> None:
     """The fake model sometimes samples EOS (token 0), and requests are aborted at random
-    times, even between schedule() and update_from_output()."""
+    times, even between schedule() and update_from_output(). (Prompts of at most 100
+    tokens: every one is shorter than max_model_len, as validation promises.)"""
     needed = max(-(-(p + m) // block_size) for p, m, _ in reqs)
     sched = make_scheduler(needed + extra_blocks, block_size, max_num_seqs, budget,
                            max_model_len=max_model_len, prefix_caching=caching)

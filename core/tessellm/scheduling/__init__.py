@@ -2,8 +2,8 @@
 
   * request_scheduler: admission checks, priority classes, aging; the waiting queue;
   * batch_scheduler: which requests run this step under the token budget, the sequence cap
-    and the KV pool, and which are preempted (truly preemptive priorities);
-  * token_scheduler: how many tokens each gets (chunked prefill, decode = 1);
+    and the KV pool, how many tokens each gets (chunked prefill, decode = 1), and which are
+    preempted (truly preemptive priorities);
   * sla: the optional policy that moves the sequence cap with the measured ITL;
   * output: SchedulerOutput, the contract with the model runner.
 """
@@ -11,7 +11,6 @@ from tessellm.scheduling.batch_scheduler import BatchScheduler
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
 from tessellm.scheduling.request_scheduler import RequestScheduler, Ticket
 from tessellm.scheduling.sla import SLABatchSizer, SLAConfig
-from tessellm.scheduling.token_scheduler import TokenScheduler
 
 __all__ = ["BatchScheduler", "RequestScheduler", "SLABatchSizer", "SLAConfig",
-           "ScheduledRequest", "SchedulerError", "SchedulerOutput", "Ticket", "TokenScheduler"]
+           "ScheduledRequest", "SchedulerError", "SchedulerOutput", "Ticket"]

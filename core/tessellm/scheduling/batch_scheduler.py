@@ -1,5 +1,5 @@
-"""Batch scheduler: which requests run this step, under the token budget, the sequence cap and
-the KV pool; it decides every preemption.
+"""Batch scheduler: which requests run this step and how many tokens each, under the token
+budget, the sequence cap and the KV pool; it decides every preemption.
 
 `running` is sorted by (level, arrival): the level a request was admitted with (its effective
 priority then, frozen while it runs), ties by arrival. One pass per step visits requests in
@@ -10,7 +10,7 @@ priority order, merging the running list with the waiting queue:
 so among equals running requests go first (nobody waiting evicts an equal), and a waiting
 request of a better level is served before running requests of a worse one.
 
-  * A running request gets its tokens (token scheduler). When its blocks cannot be allocated,
+  * A running request gets its tokens (`num_new_tokens`). When its blocks cannot be allocated,
     the tail of `running` (lowest priority, latest arrival among equals) is preempted, and the
     allocation retried; when the request is the tail itself it is preempted and the pass ends.
   * A waiting request is admitted with its prefix-cache hits; a swapped-out one (swap mode)
@@ -24,6 +24,13 @@ request of a better level is served before running requests of a worse one.
   * In a step that preempted, a waiting request is admitted only if it outranks every request
     preempted in it (with a single level: nobody is, as before priorities existed), and the
     preempted ones are queued again only at the end of the pass: never back in the same step.
+
+Tokens per request: a request has num_computed_tokens out of num_tokens and is granted
+min(missing, budget) of the missing ones: prefill (missing = the prompt), chunked prefill
+(budget < missing), decode (missing = 1: the last sampled token) and resumption after a
+prefix-cache hit (computed = the tokens the hit covers) are that one rule. A request that wants
+prompt logprobs is granted at most PROMPT_LOGITS_CHUNK tokens a step, so one step's prompt
+logits stay that many rows of the vocabulary.
 
 Async scheduling: a running request whose pending tokens (sampled on the device by the step
 still in flight) already reach its max_tokens or max_model_len is skipped: it is finished as
@@ -48,7 +55,22 @@ from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.request import Request, RequestStatus
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
 from tessellm.scheduling.request_scheduler import RequestScheduler, Ticket
-from tessellm.scheduling.token_scheduler import TokenScheduler
+
+PROMPT_LOGITS_CHUNK = 256
+
+
+def num_new_tokens(request: Request, budget: int, num_computed: int | None = None) -> int:
+    """Tokens to grant `request` under `budget` (>= 1 when budget >= 1), counting from
+    `num_computed` (by default the request's own count; admission passes its prefix-cache
+    hit). Raises SchedulerError when nothing is missing (a bug of the caller)."""
+    done = request.num_computed_tokens if num_computed is None else num_computed
+    missing = request.num_tokens - done
+    if missing < 1:
+        raise SchedulerError(
+            f"request {request.request_id!r} has no token to compute; was the previous "
+            f"output passed to update_from_output()?")
+    n = min(missing, budget)
+    return min(n, PROMPT_LOGITS_CHUNK) if request.wants_prompt_logits else n
 
 
 def _running_key(ticket: Ticket) -> tuple[int, int]:
@@ -56,14 +78,13 @@ def _running_key(ticket: Ticket) -> tuple[int, int]:
 
 
 class BatchScheduler:
-    __slots__ = ("kv", "tokens", "requests", "max_num_batched_tokens", "running", "_preempt",
+    __slots__ = ("kv", "requests", "max_num_batched_tokens", "running", "_preempt",
                  "_prefix_stats", "swap")
 
-    def __init__(self, kv: KVCacheManager, tokens: TokenScheduler, requests: RequestScheduler,
+    def __init__(self, kv: KVCacheManager, requests: RequestScheduler,
                  max_num_batched_tokens: int, preempt: Callable[[Request], None],
                  prefix_stats: PrefixCacheStats, swap: SwapSpace | None = None) -> None:
         self.kv = kv
-        self.tokens = tokens
         self.requests = requests
         self.max_num_batched_tokens = max_num_batched_tokens
         self.running: list[Ticket] = []
@@ -100,7 +121,7 @@ class BatchScheduler:
             if ticket.request.finishes_by_length_when_resolved(queue.max_model_len):
                 i += 1                       # in flight, done once read back: nothing to run
                 continue
-            n = self.tokens.num_new_tokens(ticket.request, budget)
+            n = num_new_tokens(ticket.request, budget)
             if not self._allocate_or_preempt(ticket, n, victims):
                 break                        # it was the tail: nothing after it is left
             scheduled.append(ScheduledRequest(ticket.request, n))
@@ -140,7 +161,7 @@ class BatchScheduler:
         else:
             hits, num_hit_tokens = ([], 0) if request.wants_prompt_logits \
                 else kv.get_computed_blocks(request)
-        n = self.tokens.num_new_tokens(request, budget, num_hit_tokens)
+        n = num_new_tokens(request, budget, num_hit_tokens)
         slots_short = len(running) - max_num_seqs + 1
         if slots_short > 0 or not self._fits(request, n, hits, ()):
             lower = self._lower_than(eff)

@@ -13,8 +13,7 @@ DEFAULT_AGING_INTERVAL_STEPS = 500
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """long_prefill_token_threshold: most tokens one request gets per step (0: no cap).
-    priority_levels: request priorities are 0 (most urgent) .. priority_levels - 1.
+    """priority_levels: request priorities are 0 (most urgent) .. priority_levels - 1.
     aging_interval_steps: steps per level of aging (0: no aging; low priority may starve).
     sla: the SLA batch-sizing policy (None: off, the cap is max_num_seqs).
     preemption_mode: "recompute" or "swap"; num_host_blocks: the host pool for swap mode."""
@@ -22,7 +21,6 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    long_prefill_token_threshold: int = 0
     priority_levels: int = DEFAULT_PRIORITY_LEVELS
     aging_interval_steps: int = DEFAULT_AGING_INTERVAL_STEPS
     sla: SLAConfig | None = None
@@ -40,9 +38,6 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
-        t = self.long_prefill_token_threshold
-        if not isinstance(t, int) or t < 0:
-            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0, got {t!r}")
         p = self.priority_levels
         if not isinstance(p, int) or not 1 <= p <= MAX_PRIORITY_LEVELS:
             raise ConfigError(

@@ -1,5 +1,4 @@
 """tessellm's XLA device plugin on torch-xla: every step padded to one of a small, known set
 of static shapes (compiled once each, before the first request), portable torch kernels that
-never read the host, and an SPMD seam (a device mesh and sharding annotations) for tensor
-parallelism. Tested on PJRT's CPU client (PJRT_DEVICE=CPU); TPUs use the same code."""
+never read the host. Tested on PJRT's CPU client (PJRT_DEVICE=CPU); TPUs use the same code."""
 __version__ = "0.1.0"
