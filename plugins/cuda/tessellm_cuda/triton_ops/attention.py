@@ -25,7 +25,10 @@ import triton.language as tl
 
 from tessellm.plugin_api import AttentionMetadata, KernelQuery
 
-__all__ = ["paged_attention_decode", "paged_attention_prefill", "supports"]
+from .launch import Launch, run_all
+
+__all__ = ["decode_launches", "paged_attention_decode", "paged_attention_prefill",
+           "prefill_launches", "prefill_tiles", "supports"]
 
 _LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -251,17 +254,18 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> in
     return splits
 
 
-def _paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """paged_attention_decode with an explicit split count (a power of two; None: the
-    shape heuristic)."""
+def decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, num_splits: int | None = None
+                    ) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor and the launches of paged_attention_decode, not run; num_splits a
+    power of two (None: the shape heuristic)."""
     if meta.num_prefills:
         raise ValueError("paged_attention_decode got prefill sequences (use decode_part())")
     num_heads, num_kv_heads, head_dim, group = _shapes(q, kv_cache)
     num_seqs = q.shape[0]
     out = torch.empty((num_seqs, num_heads * head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
-        return out
+        return out, []
     block_size = kv_cache.shape[3]
     bt = meta.block_tables
     if num_splits is None:
@@ -279,16 +283,27 @@ def _paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atten
                                device=q.device)
     else:
         part_ml = part_acc = out  # unused
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, bt, meta.seq_lens, out, part_ml, part_acc,
-        q.stride(0), q.stride(1), *kv_cache.stride(),
-        bt.stride(0), out.stride(0), scale * _LOG2E, block_size,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, FP32_DOT=fp32_dot, num_warps=4)
+    launches = [Launch(
+        _decode_kernel, (num_seqs, num_kv_heads, num_splits),
+        (q, kv_cache, bt, meta.seq_lens, out, part_ml, part_acc,
+         q.stride(0), q.stride(1), *kv_cache.stride(),
+         bt.stride(0), out.stride(0), scale * _LOG2E, block_size),
+        dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+             BLOCK_N=block_n, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot, num_warps=4))]
     if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_ml, part_acc, out, out.stride(0),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4)
+        launches.append(Launch(
+            _decode_reduce_kernel, (num_seqs, num_heads),
+            (part_ml, part_acc, out, out.stride(0)),
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4)))
+    return out, launches
+
+
+def _paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                            scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """paged_attention_decode with an explicit split count (a power of two; None: the
+    shape heuristic)."""
+    out, launches = decode_launches(q, kv_cache, meta, scale, num_splits)
+    run_all(launches)
     return out
 
 
@@ -302,31 +317,54 @@ def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
     return _paged_attention_decode(q, kv_cache, meta, scale)
 
 
-def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float) -> torch.Tensor:
-    """Varlen causal prefill (meta.num_decodes == 0): sequence i's query rows are
-    q[query_start_loc[i]:query_start_loc[i+1]] at its last query_len positions, attending to
-    every cached position up to their own. The grid's m-block count comes from the host's
-    meta.max_query_len; lengths and offsets are read on the device."""
+def prefill_tiles(head_dim: int, dtype: torch.dtype, max_query_len: int
+                  ) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of the prefill kernel. 16-bit inputs take 64-row query
+    tiles (32 past head_dim 128) on tensor cores; float32, whose dot keeps fp32 operands,
+    takes 16-row tiles: 64 rows spill kilobytes per thread there (ptxas, sm_80 and sm_90,
+    head_dim >= 64), 16 rows fit in registers (tests/cuda/test_triton_aot.py holds the
+    figures)."""
+    block_d = _pow2(head_dim, 16)
+    if dtype == torch.float32:
+        block_m = 16
+    else:
+        block_m = 64 if block_d <= 128 else 32
+    block_m = min(block_m, _pow2(max_query_len, 16))
+    block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
+    return block_m, block_n, block_d
+
+
+def prefill_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor and the launch of paged_attention_prefill, not run."""
     if meta.num_decodes:
         raise ValueError("paged_attention_prefill got decode sequences (use prefill_part())")
     num_heads, num_kv_heads, head_dim, group = _shapes(q, kv_cache)
     out = torch.empty((q.shape[0], num_heads * head_dim), dtype=q.dtype, device=q.device)
     num_seqs = meta.query_start_loc.shape[0] - 1
     if q.shape[0] == 0 or num_seqs <= 0 or meta.max_query_len <= 0:
-        return out
+        return out, []
     block_size = kv_cache.shape[3]
     bt = meta.block_tables
-    block_d = _pow2(head_dim, 16)
-    # tiles sized to keep the fp32 accumulator in registers and K/V stages in shared memory
-    block_m = min(64 if block_d <= 128 else 32, _pow2(meta.max_query_len, 16))
-    block_n = 64 if block_d <= 64 else (32 if block_d <= 128 else 16)
+    block_m, block_n, block_d = prefill_tiles(head_dim, q.dtype, meta.max_query_len)
     fp32_dot = _interpreting() or q.dtype == torch.float32
     grid = (triton.cdiv(meta.max_query_len, block_m), num_seqs, num_heads)
-    _prefill_kernel[grid](
-        q, kv_cache, bt, meta.seq_lens, meta.query_start_loc, out,
-        q.stride(0), q.stride(1), *kv_cache.stride(),
-        bt.stride(0), out.stride(0), scale * _LOG2E, block_size,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n,
-        FP32_DOT=fp32_dot, num_warps=4, num_stages=2 if block_d > 128 else 3)
+    return out, [Launch(
+        _prefill_kernel, grid,
+        (q, kv_cache, bt, meta.seq_lens, meta.query_start_loc, out,
+         q.stride(0), q.stride(1), *kv_cache.stride(),
+         bt.stride(0), out.stride(0), scale * _LOG2E, block_size),
+        dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d,
+             BLOCK_N=block_n, FP32_DOT=fp32_dot, num_warps=4,
+             num_stages=2 if block_d > 128 else 3))]
+
+
+def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                            scale: float) -> torch.Tensor:
+    """Varlen causal prefill (meta.num_decodes == 0): sequence i's query rows are
+    q[query_start_loc[i]:query_start_loc[i+1]] at its last query_len positions, attending to
+    every cached position up to their own. The grid's m-block count comes from the host's
+    meta.max_query_len; lengths and offsets are read on the device."""
+    out, launches = prefill_launches(q, kv_cache, meta, scale)
+    run_all(launches)
     return out

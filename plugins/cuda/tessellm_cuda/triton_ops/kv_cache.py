@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, run_all
 from .numerics import cast_to
 
 _TILE = 2048
@@ -50,6 +51,12 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """Store each token's K and V at its slot (reference.write_kv_cache); slots < 0 skipped."""
+    run_all(write_kv_cache_launches(k, v, kv_cache, slot_mapping))
+
+
+def write_kv_cache_launches(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> list[Launch]:
+    """The launch of write_kv_cache, not run."""
     _, _, n_heads, block_size, head_dim = kv_cache.shape
     if kv_cache.stride(-1) != 1:
         raise ValueError("write_kv_cache: the cache's head_dim must be contiguous")
@@ -60,11 +67,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError(f"write_kv_cache: {n_tokens} slots for {k2.shape[0]} K and "
                          f"{v2.shape[0]} V rows")
     if n_tokens == 0:
-        return
+        return []
     dim_block = triton.next_power_of_2(head_dim)
     head_block = min(triton.next_power_of_2(n_heads), max(1, _TILE // dim_block))
     s = kv_cache.stride()
-    _write_kv_kernel[(n_tokens,)](
-        k2, v2, kv_cache, slots, k2.stride(0), v2.stride(0), n_heads, head_dim, block_size,
-        s[0], s[1], s[2], s[3], HEAD_BLOCK=head_block, DIM_BLOCK=dim_block,
-        num_warps=4 if head_block * dim_block <= 1024 else 8)
+    return [Launch(
+        _write_kv_kernel, (n_tokens,),
+        (k2, v2, kv_cache, slots, k2.stride(0), v2.stride(0), n_heads, head_dim, block_size,
+         s[0], s[1], s[2], s[3]),
+        dict(HEAD_BLOCK=head_block, DIM_BLOCK=dim_block,
+             num_warps=4 if head_block * dim_block <= 1024 else 8))]

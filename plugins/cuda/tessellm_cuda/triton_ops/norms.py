@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, run_all
 from .numerics import cast_to, round_to
 
 _MAX_SINGLE_BLOCK = 8192
@@ -83,9 +84,12 @@ def _rows(t: torch.Tensor, h: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            max_block: int = _MAX_SINGLE_BLOCK, loop_block: int = _LOOP_BLOCK
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_launches(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float, max_block: int = _MAX_SINGLE_BLOCK,
+                      loop_block: int = _LOOP_BLOCK
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, list[Launch]]:
+    """(out, summed or None, launches) of rms_norm (residual None) or fused_add_rms_norm,
+    the launches not run."""
     h = x.shape[-1]
     x2 = _rows(x, h)
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -94,7 +98,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     summed = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     n_rows = x2.shape[0]
     if n_rows == 0 or h == 0:
-        return out, summed
+        return out, summed, []
     w = weight.reshape(-1).contiguous()
     r2 = x2 if residual is None else _rows(residual, h)
     o2 = out.view(-1, h)
@@ -108,10 +112,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     tile = rows * block
     num_warps = 4 if tile <= 1024 else 8 if tile <= 4096 else 16
     grid = (triton.cdiv(n_rows, rows),)
-    _rms_norm_kernel[grid](
-        x2, r2, w, o2, s2, n_rows, h, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
-        float(eps), HAS_RES=residual is not None, ROWS=rows, BLOCK=block, SINGLE=single,
-        num_warps=num_warps)
+    return out, summed, [Launch(
+        _rms_norm_kernel, grid,
+        (x2, r2, w, o2, s2, n_rows, h, x2.stride(0), r2.stride(0), o2.stride(0), s2.stride(0),
+         float(eps)),
+        dict(HAS_RES=residual is not None, ROWS=rows, BLOCK=block, SINGLE=single,
+             num_warps=num_warps))]
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            max_block: int = _MAX_SINGLE_BLOCK, loop_block: int = _LOOP_BLOCK
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out, summed, launches = rms_norm_launches(x, residual, weight, eps, max_block, loop_block)
+    run_all(launches)
     return out, summed
 
 

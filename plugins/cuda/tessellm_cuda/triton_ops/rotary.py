@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, run_all
 from .numerics import cast_to, round_to
 
 _TILE = 2048  # elements of one half-head tile a program holds at once
@@ -65,6 +66,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rope(q), rope(k)) at `positions` (reference.rotary_embedding); q and k share a dtype."""
+    q_out, k_out, launches = rotary_launches(positions, q, k, cos_sin, head_dim)
+    run_all(launches)
+    return q_out, k_out
+
+
+def rotary_launches(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    cos_sin: torch.Tensor, head_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """(q_out, k_out, launches) of rotary_embedding, the launches not run."""
     if head_dim % 2 or cos_sin.shape[-1] != head_dim:
         raise ValueError(f"rotary: cos_sin width {cos_sin.shape[-1]} must equal the even "
                          f"head_dim {head_dim}")
@@ -75,15 +85,17 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_out = torch.empty((n_tokens, q2.shape[1]), dtype=q.dtype, device=q.device)
     k_out = torch.empty((k2.shape[0], k2.shape[1]), dtype=k.dtype, device=k.device)
     if n_tokens == 0:
-        return q_out.view(q.shape), k_out.view(k.shape)
+        return q_out.view(q.shape), k_out.view(k.shape), []
     half = head_dim // 2
     cs = cos_sin if cos_sin.stride(-1) == 1 else cos_sin.contiguous()
     pos = positions.reshape(-1).contiguous()
     n_q, n_k = q2.shape[1] // head_dim, k2.shape[1] // head_dim
     half_block = triton.next_power_of_2(half)
     head_block = min(triton.next_power_of_2(max(n_q, n_k)), max(1, _TILE // half_block))
-    _rotary_kernel[(n_tokens,)](
-        pos, q2, k2, cs, q_out, k_out, q2.stride(0), k2.stride(0), cs.stride(0), n_q, n_k, half,
-        HEAD_BLOCK=head_block, HALF_BLOCK=half_block,
-        num_warps=4 if head_block * half_block <= 1024 else 8)
-    return q_out.view(q.shape), k_out.view(k.shape)
+    launch = Launch(
+        _rotary_kernel, (n_tokens,),
+        (pos, q2, k2, cs, q_out, k_out, q2.stride(0), k2.stride(0), cs.stride(0), n_q, n_k,
+         half),
+        dict(HEAD_BLOCK=head_block, HALF_BLOCK=half_block,
+             num_warps=4 if head_block * half_block <= 1024 else 8))
+    return q_out.view(q.shape), k_out.view(k.shape), [launch]

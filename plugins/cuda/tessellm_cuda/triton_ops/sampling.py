@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, run_all
+
 _MAX_BLOCK = 4096
 _I32_MAX = tl.constexpr(2147483647)
 _I32_MIN = tl.constexpr(-2147483648)
@@ -171,10 +173,19 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   top_p: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """reference.sample_tokens: logits [n, vocab] (any float dtype), temperature / top_p /
     min_p [n] float32, top_k [n] int64, noise [n, vocab] float32 > 0 -> int64 [n]."""
+    out, launches = sample_tokens_launches(logits, temperature, top_k, top_p, min_p, noise)
+    run_all(launches)
+    return out
+
+
+def sample_tokens_launches(logits: torch.Tensor, temperature: torch.Tensor,
+                           top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                           noise: torch.Tensor) -> tuple[torch.Tensor, list[Launch]]:
+    """The output tensor and the launch of sample_tokens, not run."""
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0 or vocab == 0:
-        return out
+        return out, []
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     noise = noise.float()
@@ -183,7 +194,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     temperature, top_p, min_p = (t.float().contiguous() for t in (temperature, top_p, min_p))
     top_k = top_k.long().contiguous()
     block = min(_MAX_BLOCK, triton.next_power_of_2(vocab))
-    _sample_kernel[(n,)](logits, logits.stride(0), noise, noise.stride(0), temperature, top_k,
-                         top_p, min_p, out, vocab, BLOCK=block,
-                         num_warps=8 if block >= 4096 else 4)
-    return out
+    return out, [Launch(
+        _sample_kernel, (n,),
+        (logits, logits.stride(0), noise, noise.stride(0), temperature, top_k, top_p, min_p,
+         out, vocab),
+        dict(BLOCK=block, num_warps=8 if block >= 4096 else 4))]

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launch, run_all
+
 _BLOCK = 1024
 
 
@@ -26,12 +28,18 @@ def _apply_token_bitmask_kernel(x_ptr, mask_ptr, vocab, x_stride, mask_stride,
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """In place over logits [n, vocab] (rows may be strided; tokens contiguous)."""
+    run_all(apply_token_bitmask_launches(logits, bitmask))
+
+
+def apply_token_bitmask_launches(logits: torch.Tensor, bitmask: torch.Tensor) -> list[Launch]:
+    """The launch of apply_token_bitmask, not run."""
     n, vocab = logits.shape
     if n == 0 or vocab == 0:
-        return
+        return []
     if logits.stride(1) != 1:
         raise ValueError("apply_token_bitmask needs logits rows with contiguous tokens")
     words = bitmask if bitmask.stride(-1) == 1 else bitmask.contiguous()
     grid = (n, triton.cdiv(vocab, _BLOCK))
-    _apply_token_bitmask_kernel[grid](logits, words, vocab, logits.stride(0), words.stride(0),
-                                      BLOCK=_BLOCK, num_warps=4)
+    return [Launch(_apply_token_bitmask_kernel, grid,
+                   (logits, words, vocab, logits.stride(0), words.stride(0)),
+                   dict(BLOCK=_BLOCK, num_warps=4))]
