@@ -9,7 +9,7 @@ import pytest
 
 from tessellm import LLM, SamplingParams
 from tessellm.engine.async_engine import AsyncEngine, QueueFullError
-from tessellm.engine.core_client import EngineCoreClient
+from tessellm.engine.core_client import EngineCoreClient, EngineCoreError
 from tessellm.errors import InvalidRequestError
 
 PROMPTS = ["Once upon a time", "The dog", "Lily and Ben", "One day, a little bird",
@@ -196,3 +196,22 @@ def test_streams_over_an_async_scheduling_core_equal_offline(llm, stories_dir):
     assert [ids for _, ids, _ in results] == [o.token_ids for o in offline]
     assert overlapping.engine.stats.num_overlapped_steps > 0
     assert overlapping.engine.kv.num_free_blocks == overlapping.engine.kv.num_blocks
+
+
+def test_a_core_thread_that_fails_to_start_says_why(monkeypatch):
+    import tessellm.engine.kernel_warmup as kernel_warmup
+
+    def fail(engine, progress=None):
+        raise RuntimeError("no kernel for op 'x'")
+
+    monkeypatch.setattr(kernel_warmup, "prepare_kernels", fail)
+
+    async def main():
+        core = EngineCoreClient.in_thread(object())   # fails before it reads the engine
+        try:
+            with pytest.raises(EngineCoreError, match="failed to start: RuntimeError: no kernel"):
+                await core.wait_ready()
+        finally:
+            core.close()
+
+    asyncio.run(main())

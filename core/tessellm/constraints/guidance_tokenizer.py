@@ -4,11 +4,11 @@ It is built from the Hugging Face tokenizer's Rust backend (`backend_tokenizer`:
 tokenizer, and the tokenizers transformers builds from a GGUF file), with the vocabulary as
 wide as the model's logits (`vocab_size`: ids past the tokenizer's own words are never
 allowed) and the engine's EOS ids, so that EOS is allowed exactly where the grammar may end.
-Building one reads the whole vocabulary (about 0.3 s for 49k tokens, 1.1 s for 152k); the
+Building one reads the whole vocabulary (time grows with its size); the
 server's engine core builds it on a thread of its own right after it is ready
 (GrammarCompiler.prefetch_tokenizer), so the first constrained request does not wait for it
-(measured: the build still holds the interpreter lock for up to ~0.9 s of the 1.1 s once,
-which an idle core just started does not notice). The tokenizer's
+(the build holds the interpreter lock for most of its time once, which an idle core just
+started does not notice). The tokenizer's
 JSON is read as it is (a copy of the Rust tokenizer would serialize it under the lock), with
 padding and truncation taken out of the text where set.
 """

@@ -3,8 +3,9 @@
 `spawn(config)` starts the core in a process of its own (multiprocessing "spawn": a fresh
 interpreter that imports torch itself, so nothing of the front end's state is forked into
 it) connected through ipc:// sockets in a private temporary directory; `in_thread(engine)`
-runs the same loop on a thread over inproc:// sockets (tests, embedding). Messages are
-msgspec structs (tessellm.engine.core_messages), never pickles.
+runs the same loop on a thread over inproc:// sockets (tests, embedding). Either way a core
+that fails to start sends StartupFailed with the reason, which `wait_ready` raises as
+EngineCoreError. Messages are msgspec structs (tessellm.engine.core_messages), never pickles.
 
 Liveness: `alive` is the process (or thread) running; `wait_dead()` returns when it is not,
 so the async front end can fail every open stream at once instead of waiting on a socket.
@@ -105,10 +106,15 @@ class EngineCoreClient:
         def run() -> None:
             loop = EngineCoreLoop(engine, inbox, outbox)
             try:
-                loop.send(ready_message(engine, prepare_kernels(engine)))
+                try:
+                    ready = ready_message(engine, prepare_kernels(engine))
+                except BaseException as e:   # wait_ready raises with this reason
+                    loop.send(StartupFailed(f"{type(e).__name__}: {e}"))
+                    return
+                loop.send(ready)
                 loop.run()
             except BaseException:
-                pass  # CoreFailed was sent by the loop; the thread's end shows the death
+                pass  # the loop logged it and sent CoreFailed; the thread's end shows the death
             finally:
                 inbox.close(0)
                 outbox.close(linger=1000)

@@ -1,9 +1,9 @@
 """The engine core: scheduler, KV manager, model runner and sampler behind two zmq sockets.
 
-It runs in a process of its own (`core_process_main`, spawned by EngineCoreClient; it owns the
-device and torch's OpenMP threads, so the front end's event loop never shares an interpreter
-lock with the step loop) or, for tests and embedding, on a thread (`EngineCoreLoop` over
-inproc sockets). The loop: drain every message that arrived (adds, finishes, shutdown), run one
+It runs in a process of its own (EngineCoreClient.spawn; the process's entry calls
+`core_process_main`; it owns the device and torch's OpenMP threads, so the front end's event
+loop never shares an interpreter lock with the step loop) or, for tests and embedding, on a
+thread (`EngineCoreLoop` over inproc sockets). The loop: drain every message that arrived (adds, finishes, shutdown), run one
 step if anything is unfinished, send the new tokens of every request (StepOutputs); while idle
 it sends a StepOutputs heartbeat every HEARTBEAT_S. While one step runs longer than that, a
 heartbeat thread sends Heartbeat(step age) instead. So the front end hears from a live core at
@@ -203,8 +203,10 @@ class EngineCoreLoop:
 
 def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str,
                       parent_pid: int) -> None:
-    """Entry point of the spawned engine-core process (its arguments are plain strings and
-    the parent's pid, so nothing else is pickled)."""
+    """The spawned engine-core process's main, called by its entry (core_entry.core_entry by
+    default) with plain strings and the parent's pid, so nothing else is pickled: build the
+    engine and choose kernels, send Ready (or StartupFailed and exit 1), run the loop until
+    Shutdown (exit 1 if it dies), then stop the engine's group."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[core]: %(message)s")
     from tessellm.config import EngineConfig
     from tessellm.engine.builder import build_engine_parts

@@ -9,9 +9,8 @@ rounds a candidate more than twice as slow as the best is ranked and no longer t
 timed call a scratch buffer of `flush_bytes` (default 8 MiB, several times a core's L2) is
 written, so each call starts with caches as cold as in a forward pass, where every small op
 follows a GEMM that streamed megabytes of weights: in a hot loop a chain of small torch ops
-looked as fast as one C call (bench model, 16 rows: fused add + norm 24 against 26 us) while
-in the step it cost ~4x more (a decode step at 16 sequences 27 -> 25.5 ms with the C kernel).
-Decisions and
+looked as fast as one C call while in the step it cost several times more (docs/architecture.md
+has the measurement). Decisions and
 rankings are cached in memory and on disk, keyed by device, library versions, the candidate set
 (each name with a hash of its code, so an edited kernel is checked again) and the query, so a
 restart does not re-profile. A cache file that cannot be written leaves the decisions in

@@ -172,8 +172,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The greedy token of each row of logits [n, vocab] (any float dtype): int64 [n], the
     index of the row's largest value, ties to the lowest index and a NaN counting as larger
     than any number (its first NaN wins), as torch.argmax orders them. torch.max(...).indices
-    follows the same rule and runs 2.5-5x faster than torch.argmax on the CPU (bfloat16
-    [64, 32000]: 1.1 against 5.1 ms)."""
+    follows the same rule and runs several times faster than torch.argmax on the CPU."""
     return torch.max(logits, dim=-1).indices
 
 

@@ -1,7 +1,7 @@
 """The engine core's tokenizer: what the core reads of one (the EOS id, the Rust tokenizer
 that llguidance compiles grammars against, `decode` for diagnostics), loaded from a tokenizer
 cache entry (tessellm.models.tokenizer_cache) with the `tokenizers` library alone. Importing
-transformers is ~0.9 s of an engine core's start; the server's front end, which templates,
+transformers would be a large share of an engine core's start; the server's front end, which templates,
 encodes and decodes, holds the full tokenizer.
 
 Only cache entries are read this way: they were written by transformers' save_pretrained, so

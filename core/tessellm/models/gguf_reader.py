@@ -1,9 +1,9 @@
 """A GGUF file's header, parsed in one pass: metadata fields and tensor infos, the tensors as
 views of a copy-on-write memory map of the file.
 
-The `gguf` package's reader makes a numpy view per field part (a 49k-token vocabulary is
-~300k parts: ~3 s); this one reads strings with `struct` and numeric arrays with one
-`numpy.frombuffer` each (~0.1 s). Invariants:
+The `gguf` package's reader makes a numpy view per field part (a vocabulary is several parts
+per token, so seconds for a large one); this one reads strings with `struct` and numeric arrays
+with one `numpy.frombuffer` each. Invariants:
 - A field's `contents()` is its decoded value (str, int, float, bool, or a list of them);
   `types` is [value type] or [ARRAY, element type], as the `gguf` package spells them.
 - A tensor's `data` has the `gguf` package's numpy shape: dense types (F32, F16, F64, I8..I64)

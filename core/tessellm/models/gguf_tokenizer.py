@@ -66,7 +66,7 @@ def _build(p: Path, reader: Any) -> Any:
     skip = _invalid_special_ids(reader)
     arch = metadata_field(reader, "general.architecture")
     # AutoTokenizer parses the whole header for a config only to pick the tokenizer class by
-    # model type (~3 s for a 49k vocabulary with the `gguf` package); the class it would pick
+    # model type (seconds for a large vocabulary with the `gguf` package); the class it would pick
     # is called directly for the architectures tessellm runs
     loader = AutoTokenizer
     if arch in GGUF_ARCHITECTURES:

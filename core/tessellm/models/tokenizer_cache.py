@@ -1,6 +1,6 @@
 """Tokenizers built once per file and kept as `tokenizer.json` (transformers' save_pretrained)
-under the cache root: a GGUF file's tokenizer takes seconds to build from its metadata and
-~0.1 s to load from the saved copy.
+under the cache root: a GGUF file's tokenizer takes seconds to build from its metadata and a
+small fraction of that to load from the saved copy.
 
 Invariants: an entry is keyed by the source file's resolved path, size and modification time
 and by the transformers and tessellm versions, so an edited file or an upgrade builds again;
@@ -28,7 +28,7 @@ COMPLETE_MARKER = "complete"
 
 def cache_entry(source_file: Path, cache_dir: Path) -> Path:
     """The entry directory of `source_file` (which may not exist yet)."""
-    from importlib.metadata import version   # not `import transformers`: ~0.8 s
+    from importlib.metadata import version   # not `import transformers`: slow to import
     st = source_file.stat()
     text = (f"{source_file.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
             f"transformers={version('transformers')}|tessellm={tessellm.__version__}")

@@ -2,8 +2,8 @@
 memory maps that the kernel zero-fills on first touch, committed in the background.
 
 Why not commit at allocation, as vLLM's CPU worker does (torch.zeros): on these VMs first-touch
-faults cost 0.2-5 us per 4 KiB page depending on the host (4 GiB measured at 0.9-15 s), and the
-default pool is 4 GiB, so a committed pool made the server's start-up that slow. A map costs
+faults cost microseconds per 4 KiB page, and the default pool is 4 GiB, so a committed pool
+made the server's start-up seconds slower. A map costs
 nothing; `commit_in_background` then asks the kernel to fault every page in writable
 (madvise MADV_POPULATE_WRITE, Linux >= 5.14) from a daemon thread, in chunks, through ctypes so
 that the GIL is released: it never changes a byte (zero pages stay zero, a block a step already

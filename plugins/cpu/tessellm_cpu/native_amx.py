@@ -5,10 +5,9 @@ size as the plain weight, which the plan then drops); each call multiplies x's r
 of 32 against strips of 32 output features with float32 sums, adds the bias in float32 and
 rounds once, as the reference's bfloat16 linear does. Offered only where the build has AMX and
 Linux grants this process the tile state; for bfloat16 weights whose two dimensions are
-multiples of 32. On W1's shapes (64 rows, bench model, 2 threads) a microbenchmark over
-weights out of cache runs it at 1.2-1.6x oneDNN's prepacked linear; in the engine the gain is
-smaller (W1 about 1.05x, W3's one-row decode step 19.0 -> 15.0 ms), and past 128 rows it runs
-at 0.84-0.97x of oneDNN (docs/architecture.md).
+multiples of 32. A microbenchmark over weights out of cache runs it faster than oneDNN's
+prepacked linear on W1's shapes; in the engine the gain is smaller, and past 128 rows oneDNN
+is faster (docs/architecture.md has the figures).
 """
 from __future__ import annotations
 

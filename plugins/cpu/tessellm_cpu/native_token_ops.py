@@ -1,9 +1,8 @@
 """Per-token small ops as C kernels (native/token_ops.c), called through ctypes: rotary
 embedding, the KV-cache write, RMSNorm (plain and fused with the residual add), silu_and_mul
 the sampler's greedy argmax and the token bitmask of constrained rows. For a
-decode step each is a few microseconds of arithmetic that torch spreads over several ops of
-tens of microseconds each (SmolLM2, one stream, per layer: rotary 51 us, KV write 35 us,
-fused add + norm 20 us). float32 and bfloat16; the C side checks positions and slots first.
+decode step each is a few microseconds of arithmetic that torch spreads over several ops,
+each costing more than the arithmetic. float32 and bfloat16; the C side checks positions and slots first.
 The wrappers are on every decode step's path (about ten calls per layer), so the common case
 (2-D tensors with contiguous rows, index tensors already int64) costs no copies or views."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Device memory accounting on CUDA over torch's caching allocator.
 
-Tensors come from torch's caching allocator (which keeps freed blocks for reuse and never
-returns memory to the driver mid-run); this allocator counts them by tag ("weights",
+Tensors come from torch's caching allocator (which keeps freed blocks cached for reuse, so
+the driver's free memory is not what this allocator has left); this allocator counts them by tag ("weights",
 "kv_cache", "input_buffers", ...) against a capacity: `utilization` x the device's total
 memory. Transient activations are not allocated here: the engine measures their peak in a
 profiling forward pass and reserves it under the tag "activations" (`reserve`), so the KV pool
