@@ -4,7 +4,7 @@ by kernels that attend over whole padded blocks, still gives the reference token
 from __future__ import annotations
 
 from tessellm import LLM, SamplingParams
-from tessellm.engine.model_runner import ModelRunner
+from tessellm.engine.block_work import BlockWork
 
 # kernels that read every slot of every block in a (padded) table, masking the unused ones
 WHOLE_BLOCKS = {"attention_decode": "decode_batched_sdpa",
@@ -18,8 +18,8 @@ def _llm(stories_dir, **kw) -> LLM:
 
 def test_only_blocks_the_step_leaves_partly_unwritten_are_zeroed(stories_dir, monkeypatch):
     zeroed: list[list[int]] = []
-    real = ModelRunner._zero_blocks
-    monkeypatch.setattr(ModelRunner, "_zero_blocks",
+    real = BlockWork.zero
+    monkeypatch.setattr(BlockWork, "zero",
                         lambda self, ids: (zeroed.append(list(ids)), real(self, ids))[1])
     llm = _llm(stories_dir)
     zeroed.clear()

@@ -27,7 +27,7 @@ from tessellm.constraints.guidance_tokenizer import guidance_tokenizer
 from tessellm.constraints.request_constraint import RequestConstraint
 from tessellm.constraints.step_masks import StepMasks
 from tessellm.engine.builder import EngineParts
-from tessellm.engine.model_runner import ModelRunner
+from tessellm.engine.model_runner import ModelRunner, RunnerLimits, SamplerKernels
 from tessellm.engine.step_inputs import LaunchedStep
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, SelectBitmaskKernel,
@@ -125,21 +125,20 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
     sends its device work to the others)."""
     c = parts.config
     leads = parts.parallel is not None and parts.parallel.is_leader
-    return ModelRunner(parts.device, parts.plan, parts.kv_caches, c.block_size,
-                       c.max_num_batched_tokens, c.max_num_seqs,
-                       math.ceil(parts.max_model_len / c.block_size),
-                       parts.host_kv_caches,
-                       graph_sizes=() if c.enforce_eager
-                       else parts.device.decode_graph_sizes(c.max_num_seqs),
-                       select_sample_kernel=sample_kernel_select(parts.selector),
-                       select_greedy_kernel=greedy_kernel_select(parts.selector),
-                       static_shapes=parts.device.static_shapes(
-                           c.max_num_batched_tokens, c.max_num_seqs),
-                       followers=parts.parallel.channel if leads else None,
-                       overlap=async_scheduling_enabled(parts),
-                       token_masks=StepMasks(parts.spec.vocab_size, c.max_num_seqs)
-                       if parts.tokenizer is not None else None,
-                       select_bitmask_kernel=bitmask_kernel_select(parts.selector))
+    limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, c.max_num_seqs,
+                          math.ceil(parts.max_model_len / c.block_size))
+    return ModelRunner(
+        parts.device, parts.plan, parts.kv_caches, limits,
+        host_kv_caches=parts.host_kv_caches,
+        graph_sizes=() if c.enforce_eager else parts.device.decode_graph_sizes(c.max_num_seqs),
+        static_shapes=parts.device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs),
+        followers=parts.parallel.channel if leads else None,
+        overlap=async_scheduling_enabled(parts),
+        token_masks=StepMasks(parts.spec.vocab_size, c.max_num_seqs)
+        if parts.tokenizer is not None else None,
+        sampler_kernels=SamplerKernels(sample_kernel_select(parts.selector),
+                                       greedy_kernel_select(parts.selector),
+                                       bitmask_kernel_select(parts.selector)))
 
 
 class LLMEngine:

@@ -1,5 +1,6 @@
 """The host-side description of one engine step: its rows (StepInputs, built from a
-SchedulerOutput), what it is padded to (StepPadding), and a step on the device (LaunchedStep).
+SchedulerOutput), what it is padded to (StepPadding), the rows of its forward pass as staged
+(ForwardRows), and a step on the device (LaunchedStep).
 
 Rows follow the scheduler: decodes first, then prefills, as AttentionMetadata requires. A
 request's pending token (async scheduling: sampled by the step in flight, not read back) is
@@ -30,6 +31,25 @@ class StepPadding:
     num_seqs: int
     decode: bool
     key: object
+
+
+@dataclass(slots=True)
+class ForwardRows:
+    """One forward pass as staged on the host, padding applied: each input's rows, how many
+    sequences (`rows`) and block-table columns (`width`) it has, and the padding
+    (num_tokens, num_seqs, decode) when the step is padded. A tensor-parallel leader sends
+    these to its workers (parallel.messages.Batch) with the block table."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    seq_lens: list[int]
+    query_lens: list[int]
+    logits_indices: list[int]
+    num_decodes: int
+    rows: int
+    width: int
+    pad: tuple[int, int, bool] | None = None
 
 
 def bucket_at_least(buckets: Sequence[int], n: int) -> int | None:

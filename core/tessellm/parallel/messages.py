@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
+from tessellm.engine.step_inputs import ForwardRows
+
 
 class WorkerInit(msgspec.Struct, tag="init"):
     config_json: str           # the EngineConfig every rank builds from
@@ -26,9 +28,8 @@ class BlockOps(msgspec.Struct, tag="block_ops"):
 
 
 class Batch(msgspec.Struct, tag="batch"):
-    """One forward pass, as staged on the host (padding applied): the rows of each input,
-    the block table's [rows, width] int32 bytes (empty on rank 0, which fills its own) and
-    the padding (num_tokens, num_seqs, decode) when the step is padded."""
+    """One forward pass on the wire: the leader's ForwardRows (tessellm.engine.step_inputs)
+    field by field and the block table's [rows, width] int32 bytes."""
 
     token_ids: list[int]
     positions: list[int]
@@ -41,6 +42,17 @@ class Batch(msgspec.Struct, tag="batch"):
     width: int
     pad: tuple[int, int, bool] | None = None
     tables: bytes = b""
+
+    @classmethod
+    def of(cls, rows: ForwardRows, tables: bytes) -> Batch:
+        return cls(rows.token_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
+                   rows.query_lens, rows.logits_indices, rows.num_decodes, rows.rows,
+                   rows.width, rows.pad, tables)
+
+    def forward_rows(self) -> ForwardRows:
+        return ForwardRows(self.token_ids, self.positions, self.slot_mapping, self.seq_lens,
+                           self.query_lens, self.logits_indices, self.num_decodes, self.rows,
+                           self.width, None if self.pad is None else tuple(self.pad))
 
 
 class Stop(msgspec.Struct, tag="stop"):

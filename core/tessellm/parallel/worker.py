@@ -55,7 +55,8 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
         if isinstance(message, BlockOps):
             swapped_in = runner.run_block_ops(message)
         elif isinstance(message, Batch):
-            _, uploaded = runner.run_batch(message, swapped_in)
+            _, uploaded = runner.run_rows(message.forward_rows(), swapped_in,
+                                          tables=message.tables)
             swapped_in = None
             runner.wait(uploaded)   # its staging buffers are rewritten by the next batch
         else:
