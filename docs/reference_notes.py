@@ -69,7 +69,8 @@ ENGINE_NOTES = MappingProxyType({
     "preemption_mode": "what happens to a request preempted for a more urgent one: "
                        "`recompute` frees its blocks and recomputes them on resume; `swap` "
                        "copies its KV to a host pool and back",
-    "num_host_kv_blocks": "swap: the host pool in blocks (default as many as the device pool)",
+    "num_host_kv_blocks": "swap: the host pool in blocks (default as many as the device "
+                          "pool, at most half the host's available memory)",
     "swap_space_bytes": "swap: the host pool in bytes (give this or num_host_kv_blocks)",
     "sla_itl_p99_ms": "SLA batch sizing (off unless set): the running-batch cap shrinks while "
                       "the p99 inter-token latency is above this",

@@ -75,7 +75,8 @@ class EngineConfig(BaseModel):
     aging_interval_steps: int = Field(500, ge=0)
     # Preemption (tessellm.scheduler): "recompute" frees a victim's blocks and recomputes it on
     # resume; "swap" copies its KV to a host pool (num_host_kv_blocks blocks, or as many as
-    # swap_space_bytes hold; default: as many as the device pool) and copies it back.
+    # swap_space_bytes hold; default: as many as the device pool, capped at half the host's
+    # available memory) and copies it back.
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     num_host_kv_blocks: int | None = Field(None, ge=1)
     swap_space_bytes: int | None = Field(None, ge=1)

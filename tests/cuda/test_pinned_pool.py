@@ -35,3 +35,16 @@ def test_chunks_are_taken_once_and_large_requests_get_their_own() -> None:
 def test_chunk_size_must_be_aligned() -> None:
     with pytest.raises(ValueError, match="multiple of 256"):
         PinnedHostPool(pin_memory=False, chunk_bytes=1000)
+
+
+def test_a_pinned_chunk_past_the_hosts_available_memory_is_refused(monkeypatch) -> None:
+    """Checked before pinning (so it runs without a CUDA driver): page-locked memory cannot be
+    paged out, so the pool refuses rather than exhausting the host."""
+    from tessellm.plugin_api import MemoryInfo
+    from tessellm_cuda import pinned_pool
+    monkeypatch.setattr(pinned_pool, "host_memory_info",
+                        lambda: MemoryInfo(total_bytes=1 << 30, free_bytes=1 << 20))
+    pool = PinnedHostPool(pin_memory=True, chunk_bytes=4096)
+    with pytest.raises(MemoryError, match="num_host_kv_blocks"):
+        pool.allocate((1 << 19,), torch.float32)    # 2 MiB
+    assert pool.stats().chunks == 0

@@ -88,3 +88,33 @@ def test_block_runs_merge_consecutive_pairs():
     assert block_runs([(3, 0), (4, 1), (5, 2), (9, 3), (2, 4)]) == \
         [(3, 0, 3), (9, 3, 1), (2, 4, 1)]
     assert block_runs([]) == []
+
+
+def test_default_host_pool_is_capped_by_the_hosts_available_memory(monkeypatch):
+    """Sized like the device pool by default, but never past HOST_POOL_SHARE of the host's
+    available memory (split among tensor-parallel ranks): pinned memory cannot be paged out.
+    An explicit size is taken as given."""
+    import torch
+
+    from tessellm.config import EngineConfig
+    from tessellm.device import MemoryInfo
+    from tessellm.engine import builder
+    from tessellm.models.spec import ModelSpec
+
+    spec = ModelSpec("llama", 100, 64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                     intermediate_size=128, norm_eps=1e-5, max_position_embeddings=64,
+                     tie_word_embeddings=True)
+    per_block = 2 * 4 * 2 * 16 * 4 * 2    # K and V, block_size 4, fp32, 2 layers
+    monkeypatch.setattr(builder, "host_memory_info",
+                        lambda: MemoryInfo(total_bytes=10**9, free_bytes=100 * per_block))
+
+    def count(**kw) -> int:
+        config = EngineConfig(model="m", preemption_mode="swap", block_size=4, **kw)
+        return builder.host_kv_block_count(config, spec, torch.float32, 1000)
+
+    assert count() == 50                                    # half of 100 blocks' worth
+    assert count(tensor_parallel_size=2) == 25
+    assert count(num_host_kv_blocks=300) == 300
+    assert count(swap_space_bytes=200 * per_block) == 200
+    config = EngineConfig(model="m", preemption_mode="swap", block_size=4)
+    assert builder.host_kv_block_count(config, spec, torch.float32, 10) == 10   # device-sized

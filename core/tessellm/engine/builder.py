@@ -13,7 +13,7 @@ import torch
 
 import tessellm
 from tessellm.config import EngineConfig
-from tessellm.device import DevicePlugin
+from tessellm.device import DevicePlugin, host_memory_info
 from tessellm.errors import ConfigError, DeviceUnavailableError
 from tessellm.graph.lowering import lower
 from tessellm.graph.passes import GraphPass, PassReport, default_passes, run_passes
@@ -147,19 +147,32 @@ def kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
     return max(1, min(budget // per_block, useful))
 
 
+# The share of the host's available memory a default-sized swap pool may take (all ranks of
+# the machine together): the pool is page-locked where the device pins (cuda), so it cannot
+# be paged out, and one sized like a large GPU's KV cache would exhaust the host.
+HOST_POOL_SHARE = 0.5
+
+
 def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
                         num_kv_blocks: int) -> int:
     """Host blocks for swap preemption: 0 in recompute mode; else num_host_kv_blocks, or as
-    many as swap_space_bytes hold, or as many as the device pool."""
+    many as swap_space_bytes hold, or (default) as many as the device pool but at most what
+    HOST_POOL_SHARE of the host's available memory holds, split among the tensor-parallel
+    ranks."""
     if config.preemption_mode != "swap":
         return 0
     if config.num_host_kv_blocks is not None:
         return config.num_host_kv_blocks
-    if config.swap_space_bytes is None:
-        return num_kv_blocks
     per_block = (2 * config.block_size * spec.num_kv_heads * spec.head_dim
                  * torch.empty((), dtype=dtype).element_size() * spec.num_layers)
-    return max(1, config.swap_space_bytes // per_block)
+    if config.swap_space_bytes is not None:
+        return max(1, config.swap_space_bytes // per_block)
+    share = int(host_memory_info().free_bytes * HOST_POOL_SHARE) // config.tensor_parallel_size
+    if share // per_block < num_kv_blocks:
+        log.info("swap: host pool capped at %d blocks (%.1f GiB, %.0f%% of the host's "
+                 "available memory), the device pool has %d", max(1, share // per_block),
+                 share / 2**30, 100 * HOST_POOL_SHARE, num_kv_blocks)
+    return max(1, min(num_kv_blocks, share // per_block))
 
 
 def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = None,

@@ -6,7 +6,10 @@ themselves come from torch's allocator, which aligns them at least as much); a c
 returned to the OS while the pool lives, so buffers stay valid for the pool's lifetime (the
 contract of HostAllocator: buffers are allocated once, at start-up, and never freed);
 `stats()` counts chunk bytes reserved and bytes handed out. With `pin_memory` the chunks are
-page-locked (CUDA), so host-to-device copies from them run asynchronously on a stream.
+page-locked (CUDA), so host-to-device copies from them run asynchronously on a stream; as
+page-locked memory cannot be paged out, a chunk larger than the host's available memory is
+refused with MemoryError rather than pinned (the engine sizes its default swap pool below
+that: engine/builder.host_kv_block_count).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessellm.plugin_api import HostAllocator
+from tessellm.plugin_api import HostAllocator, host_memory_info
 
 ALIGNMENT = 256
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -51,6 +54,13 @@ class PinnedHostPool(HostAllocator):
 
     def _new_chunk(self, nbytes: int) -> None:
         size = max(self.chunk_bytes, _aligned(nbytes))
+        if self.pin_memory:
+            free = host_memory_info().free_bytes
+            if size > free:
+                raise MemoryError(
+                    f"pinned host pool: {size} more bytes to page-lock, the host has {free} "
+                    f"available ({sum(c.numel() for c in self._chunks)} pinned already); "
+                    "lower swap_space_bytes or num_host_kv_blocks")
         self._chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory))
         self._offset = 0
 
