@@ -75,3 +75,8 @@ from tessellm.tools.call_format import (  # noqa: E402
 
 __all__ += ["ArgumentsDelta", "CallFormat", "CallStarted", "ContentDelta", "ParsedOutput",
             "ToolCall", "ToolCallStream", "ToolSpec"]
+
+# 1.6: the errors a plugin raises
+from tessellm.errors import DeviceUnavailableError, KernelError  # noqa: E402
+
+__all__ += ["DeviceUnavailableError", "KernelError"]

@@ -39,7 +39,9 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # 1.4 (additive): DevicePlugin.asynchronous (the default for async scheduling).
 # 1.5 (additive): the apply_token_bitmask op (constrained decoding), the
 # tessellm_tool_call_formats hook (plugin_api.CallFormat and the ToolCallFormat protocol).
-API_VERSION = "1.5"
+# 1.6 (additive): the errors a plugin raises, DeviceUnavailableError (the device cannot be used,
+# or its memory is exhausted) and KernelError (no kernel can run an op), exported by plugin_api.
+API_VERSION = "1.6"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
