@@ -6,6 +6,8 @@ one entry per token, and a device with static step shapes refuses the request wh
 (LLMEngine, or an engine core's front end)."""
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
@@ -71,7 +73,10 @@ def test_no_cache_hit_skips_the_prompt_and_a_recomputed_one_keeps_one_entry_per_
 
 def test_a_static_shape_device_refuses_prompt_logprobs(stories_dir, monkeypatch):
     llm = LLM(str(stories_dir), dtype="float32", load_progress=False, kernel_selection="first")
-    monkeypatch.setattr(llm.engine.parts.device, "static_shapes", lambda *a: object())
+    assert llm.engine.limits.prompt_logprobs   # cpu: no static shapes
+    # what an engine on a static-shape device is built with (its limits come from the device)
+    monkeypatch.setattr(llm.engine, "limits",
+                        dataclasses.replace(llm.engine.limits, prompt_logprobs=False))
     with pytest.raises(InvalidRequestError, match="static shapes"):
         llm.generate([PROMPT], SamplingParams(max_tokens=2, prompt_logprobs=0))
 

@@ -79,8 +79,7 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
                  weight_bytes=p.weight_bytes, eos_token_ids=sorted(p.eos_token_ids),
                  kernel_choices=kernel_choices, plugin=plugin, plugin_version=plugin_version,
                  max_num_seqs=c.max_num_seqs,
-                 prompt_logprobs=p.device.static_shapes(c.max_num_batched_tokens,
-                                                        c.max_num_seqs) is None)
+                 prompt_logprobs=engine.limits.prompt_logprobs)
 
 
 class EngineCoreLoop:
@@ -122,10 +121,12 @@ class EngineCoreLoop:
 
     def _add(self, m: AddRequest) -> None:
         try:
-            requests = self.engine.add_request_group(
+            # validated where it entered (the front end's RequestLimits); its constraint is
+            # compiled here, where the tokenizer is
+            requests = self.engine.queue_request_group(
                 m.prompt_token_ids, params_from_wire(m.params), m.n, request_id=m.request_id,
                 priority=m.priority)
-        except (TessellmError, TypeError, ValueError) as e:  # validated by the front end too
+        except (TessellmError, TypeError, ValueError) as e:
             ids = sample_ids(m.request_id, m.n)
             reason = "rejected" if isinstance(e, TessellmError) else "error"
             self.send(StepOutputs([TokenDelta.final(rid, reason, str(e)) for rid in ids],

@@ -163,8 +163,10 @@ class LLMEngine:
             self.kv)
         self.runner = make_model_runner(parts)
         self.stats = StepStats()
-        self.limits = RequestLimits(c.priority_levels, parts.spec.vocab_size, self.max_model_len,
-                                    c.block_size, self.kv.num_blocks)
+        self.limits = RequestLimits(
+            c.priority_levels, parts.spec.vocab_size, self.max_model_len, c.block_size,
+            self.kv.num_blocks, prompt_logprobs=parts.device.static_shapes(
+                c.max_num_batched_tokens, c.max_num_seqs) is None)
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(lambda: guidance_tokenizer(
             parts.tokenizer, parts.spec.vocab_size, parts.eos_token_ids))
@@ -206,23 +208,12 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, n: int = 1, cache_salt: str | None = None) -> None:
-        """Raise InvalidRequestError if the request can never run here. Reads only immutable
-        configuration, so the async front end may call it from its own thread."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidRequestError(f"n must be an integer >= 1, got {n!r}", "n")
+        """Raise InvalidRequestError if the request can never run here (RequestLimits, the
+        rules the server's front end applies too). Reads only immutable configuration."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(
                 f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        self.limits.validate(prompt_token_ids, params, priority)
-        self._check_prompt_logprobs(params)
-
-    def _check_prompt_logprobs(self, params: SamplingParams) -> None:
-        c = self.parts.config
-        if params.prompt_logprobs is not None and \
-                self.parts.device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs):
-            raise InvalidRequestError(
-                f"prompt logprobs are not supported on device {self.parts.device.name!r}, "
-                "whose steps have static shapes", "prompt_logprobs")
+        self.limits.validate(prompt_token_ids, params, priority, n)
 
     def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
         """A new matcher for a constrained request (InvalidRequestError for a bad spec)."""
@@ -252,6 +243,16 @@ class LLMEngine:
         Sample i has id sample_ids(base, n)[i] and, when params.seed is set, seed
         params.seed + i. Raises InvalidRequestError (nothing is queued then)."""
         self.validate(prompt_token_ids, params, priority, n, cache_salt)
+        return self.queue_request_group(prompt_token_ids, params, n, request_id, cache_salt,
+                                        priority)
+
+    def queue_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
+                            request_id: str | None = None, cache_salt: str | None = None,
+                            priority: int = 0) -> list[Request]:
+        """Queue a request validated where it entered (the engine core's: by the server's
+        front end, with the RequestLimits of `Ready`). Only its constraint is compiled here
+        (InvalidRequestError for a spec the front end could not check without a tokenizer;
+        nothing is queued then)."""
         base = request_id or f"req-{next(self._ids)}"
         now = time.monotonic()
         constraint = self._constraint(params)
@@ -260,7 +261,8 @@ class LLMEngine:
                     params if params.seed is None else replace(params, seed=params.seed + i),
                     now, eos_token_ids=self.parts.eos_token_ids, cache_salt=cache_salt,
                     priority=priority,
-                    constraint=None if constraint is None or n == 1 else constraint.fork())
+                    constraint=constraint if constraint is None or n == 1
+                    else constraint.fork())
             for i, rid in enumerate(sample_ids(base, n))]
         if n == 1:
             self.scheduler.add_request(requests[0])
