@@ -1,9 +1,13 @@
 """silu_and_mul with reference.silu_and_mul's numerics.
 
 Invariants: x is [..., 2 * d] (any leading dims; rows may be strided when x is 2-D), the result
-a new contiguous [..., d] of x's dtype. Rounding follows the reference's torch ops exactly:
-sigmoid(a) is rounded to x's dtype, a * sigmoid(a) is rounded, then the product with b is
-rounded (each computed in float32). Grid: (row tiles, column tiles) of [ROWS, BLOCK].
+a new contiguous [..., d] of x's dtype. Rounding follows the reference's torch ops: sigmoid(a)
+is rounded to x's dtype, a * sigmoid(a) is rounded, then the product with b is rounded (each
+computed in float32). Bit-identical to the reference under Triton's interpreter; on a GPU
+`tl.exp` and the division are approximate (ex2.approx, div.full: a few float32 ulps), so a
+16-bit result may differ by one unit in its last place on some elements, a float32 one by a
+few ulps (scripts/gpu_accuracy.py measures both). Grid: (row tiles, column tiles) of
+[ROWS, BLOCK].
 """
 from __future__ import annotations
 

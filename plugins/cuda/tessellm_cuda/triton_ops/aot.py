@@ -60,13 +60,14 @@ class ModelShape:
     qk_norm: bool = False
 
 
-# stories260K (the parity tests' model), SmolLM2-135M (the default model), the bench models'
-# Llama shapes (110m, 1B) and a Qwen3 shape (head_dim 128, q/k norms)
+# stories260K (the parity tests' model), SmolLM2-135M (the default model), the bench models
+# scripts/gpu_check.sh runs (make_bench_model.py: 110m, and 1b, TinyLlama's shape) and a Qwen3
+# shape (head_dim 128, q/k norms, a 152k vocabulary)
 MODEL_SHAPES = (
     ModelShape("stories260K", 64, 8, 4, 8, 172, 512, 512),
     ModelShape("smollm2-135m", 576, 9, 3, 64, 1536, 49152, 8192),
-    ModelShape("llama-110m", 768, 12, 12, 64, 2048, 32000, 2048),
-    ModelShape("llama-1b", 2048, 32, 8, 64, 8192, 128256, 4096),
+    ModelShape("bench-110m", 768, 12, 12, 64, 2048, 32000, 2048),
+    ModelShape("bench-1b", 2048, 32, 4, 64, 5632, 32000, 2048),
     ModelShape("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936, 4096, qk_norm=True),
 )
 DECODE_SEQS = (1, 64)          # the most context splits, and one

@@ -11,7 +11,10 @@ follow `AttentionMetadata`'s batch layout and KV cache contract:
 Numerics: scores, online softmax and accumulation in float32; the result is cast to q's dtype.
 Dot operands are float32 (IEEE precision) for float32 inputs and under Triton's interpreter
 (TRITON_INTERPRET=1, whose 16-bit tl.dot is inaccurate); otherwise the 16-bit K/V and the
-probabilities cast to K/V's dtype feed tensor cores.
+probabilities cast to K/V's dtype feed tensor cores (mma / wgmma): that path never runs in
+the interpreter, so scripts/gpu_accuracy.py measures it against the float32 reference on a
+GPU first (bound: 4x the error of torch's reference in the same 16-bit dtype). exp2 is
+approximate on a GPU (ex2.approx), a few float32 ulps.
 Every tile is padded to a power of two (tl.arange) and to >= 16 (tl.dot) and masked, so any
 block_size >= 1 and head_dim <= 256 work.
 """

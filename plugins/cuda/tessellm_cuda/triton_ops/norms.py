@@ -5,6 +5,9 @@ and rsqrt run in float32; the normalized value is rounded to the (summed) input 
 then multiplied by the weight, that product rounded once to the output dtype
 (promote(weight, input)), as `weight * xf.to(x.dtype)` does in torch. The fused op rounds
 x + residual to promote(x, residual) before normalizing it. Inputs are never modified.
+The sum's order differs from torch's, and on a GPU `tl.rsqrt` and the mean's division are
+approximate (rsqrt.approx, div.full), so a result may differ from the reference by one unit
+in the last place of a 16-bit dtype, a few ulps in float32 (scripts/gpu_accuracy.py).
 Rows up to _MAX_SINGLE_BLOCK wide (padded to a power of two) stay in registers, several small
 rows per program; wider rows take two passes over chunks of _LOOP_BLOCK.
 """

@@ -26,7 +26,11 @@ division, `div_rn`, as torch divides) rather than stored.
      can differ only through float rounding where the two best scores lie within a few
      ulps, or a top-p / min-p boundary falls within rounding of a token's mass (torch's
      softmax, cumsum and exp round differently) - events of probability ~1e-6 per row on
-     random logits, never seen in the tests.
+     random logits, never seen in the tests (which run in Triton's interpreter, whose exp is
+     numpy's). On a GPU `tl.exp` is ex2.approx (a few float32 ulps from torch's expf), the
+     same kind of near-tie event at a similar rate: there, tokens equal the reference's on
+     all but a budget of 1e-3 of the rows (scripts/gpu_accuracy.py measures the rate), not
+     on every row. The divisions are IEEE (div_rn) on both.
 
 -0.0 is read as +0.0 (they compare equal, so they must share a key). NaN logits are outside
 the contract. Plain pointer arithmetic and masks only.
