@@ -5,13 +5,15 @@
 # llguidance) and copies what the checks need from ../shared into .gpu_assets/: stories260K,
 # every tokenizer the HF parity matrix reads (llama2, llama3, qwen3, gguf-vocab) and
 # make_bench_model.py. Both folders are git-ignored through .git/info/exclude; name both in
-# each device call's `carry` (64 MiB at most together: checked at the end).
+# each device call's `carry` (64 MiB at most together: checked at the end). The image is
+# presumably Ubuntu 24.04 (its python3 is 3.12.3; glibc 2.39): manylinux_2_31 wheels
+# (llguidance's) should install there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 grep -qx '/.gpu_assets/' .git/info/exclude || echo '/.gpu_assets/' >> .git/info/exclude
 rm -rf .whl .gpu_assets   # one version of each wheel: two stop the install there
-PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+PLATFORMS="--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 for pkg in pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0 typing-inspection==0.4.2 \
            gguf==0.17.1 pyzmq==27.1.0 msgspec==0.20.0 llguidance==1.9.1; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
