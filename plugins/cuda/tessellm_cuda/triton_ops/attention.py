@@ -325,8 +325,8 @@ def prefill_tiles(head_dim: int, dtype: torch.dtype, max_query_len: int
     """(BLOCK_M, BLOCK_N, BLOCK_D) of the prefill kernel. 16-bit inputs take 64-row query
     tiles (32 past head_dim 128) on tensor cores; float32, whose dot keeps fp32 operands,
     takes 16-row tiles: 64 rows spill kilobytes per thread there (ptxas, sm_80 and sm_90,
-    head_dim >= 64), 16 rows fit in registers (tests/cuda/test_triton_aot.py holds the
-    figures)."""
+    head_dim >= 64), 16 rows fit in 80-103 registers (at most an 8-byte spill: Triton 3.6,
+    sm_90, head_dim 128; tests/cuda/test_triton_aot.py prints the figures)."""
     block_d = _pow2(head_dim, 16)
     if dtype == torch.float32:
         block_m = 16
