@@ -107,7 +107,9 @@ class DeviceAllocator:
     Invariant: allocated_bytes == sum of the sizes of live allocations, each counted under the
     tag it was allocated with, and never exceeds capacity_bytes (an allocation that would is
     refused with DeviceUnavailableError naming the tag and the sizes).
-    This base allocates with torch on `torch_device`; plugins with their own memory subclass it.
+    This base allocates with torch on `torch_device`; plugins with their own memory subclass it
+    and override public hooks only: `raw_empty` (where a tensor's memory comes from),
+    `adopt`/`free` (extended, calling the base), `commit_in_background`/`wait_committed`.
     """
 
     def __init__(self, torch_device: str | torch.device, capacity_bytes: int) -> None:
@@ -115,6 +117,7 @@ class DeviceAllocator:
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
         self._live: dict[int, tuple[str, int]] = {}
+        self._reservations: dict[str, torch.Tensor] = {}   # reserve()'s markers, by tag
         self._allocated = 0
         self._peak = 0
 
@@ -133,11 +136,30 @@ class DeviceAllocator:
         return True
 
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, tag: str) -> torch.Tensor:
+        """A tensor from `raw_empty`, counted under `tag` (its bytes are given back to the
+        count if `raw_empty` raises)."""
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         self._reserve(nbytes, tag)
-        t = self.raw_empty(tuple(shape), dtype)
+        try:
+            t = self.raw_empty(tuple(shape), dtype)
+        except BaseException:
+            with self._lock:
+                self._allocated -= nbytes
+            raise
         self._register(t, tag, nbytes)
         return t
+
+    def reserve(self, nbytes: int, tag: str) -> None:
+        """Count `nbytes` under `tag` without a tensor of this allocator's (memory held
+        elsewhere: CUDA's transient activations in torch's caching allocator, measured by a
+        profiling forward pass); replaces an earlier reservation of the same tag."""
+        previous = self._reservations.pop(tag, None)
+        if previous is not None:
+            self.free(previous)
+        marker = torch.empty(0)   # identity only
+        self._reserve(nbytes, tag)
+        self._register(marker, tag, nbytes)
+        self._reservations[tag] = marker
 
     def adopt(self, tensor: torch.Tensor, tag: str) -> torch.Tensor:
         """Account for a tensor that already lives in this device's memory (zero copy)."""

@@ -76,7 +76,10 @@ from tessellm.tools.call_format import (  # noqa: E402
 __all__ += ["ArgumentsDelta", "CallFormat", "CallStarted", "ContentDelta", "ParsedOutput",
             "ToolCall", "ToolCallStream", "ToolSpec"]
 
-# 1.6: the errors a plugin raises
+# 1.6: the errors a plugin raises, the plan `compile` gets and its feeds, the ops to cover
 from tessellm.errors import DeviceUnavailableError, KernelError  # noqa: E402
+from tessellm.graph.plan import KV_CACHE_FEED, STEP_FEEDS, ExecutionPlan  # noqa: E402
+from tessellm.kernels.op_coverage import OPTIONAL_OPS, REQUIRED_OPS  # noqa: E402
 
-__all__ += ["DeviceUnavailableError", "KernelError"]
+__all__ += ["DeviceUnavailableError", "ExecutionPlan", "KV_CACHE_FEED", "KernelError",
+            "OPTIONAL_OPS", "REQUIRED_OPS", "STEP_FEEDS"]

@@ -40,7 +40,10 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # 1.5 (additive): the apply_token_bitmask op (constrained decoding), the
 # tessellm_tool_call_formats hook (plugin_api.CallFormat and the ToolCallFormat protocol).
 # 1.6 (additive): the errors a plugin raises, DeviceUnavailableError (the device cannot be used,
-# or its memory is exhausted) and KernelError (no kernel can run an op), exported by plugin_api.
+# or its memory is exhausted) and KernelError (no kernel can run an op), exported by plugin_api;
+# ExecutionPlan and the feed names of a step (STEP_FEEDS, KV_CACHE_FEED) that `compile` gets;
+# REQUIRED_OPS / OPTIONAL_OPS (the ops a device must / may cover); DeviceAllocator.reserve
+# (count bytes held elsewhere) and subclasses override public hooks only (raw_empty).
 API_VERSION = "1.6"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

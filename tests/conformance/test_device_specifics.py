@@ -25,8 +25,7 @@ def _small_allocator(name: str) -> Callable[[int], DeviceAllocator]:
         import torch_xla
         return lambda capacity: DeviceAllocator(torch_xla.device(), capacity)
     if name == "cuda":
-        from tessellm_cuda.allocator import CudaAllocator
-        return lambda capacity: CudaAllocator(torch.device("cuda"), capacity)
+        return lambda capacity: DeviceAllocator(torch.device("cuda"), capacity)
     return lambda capacity: DeviceAllocator("cpu", capacity)
 
 

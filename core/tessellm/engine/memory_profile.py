@@ -15,7 +15,7 @@ import torch
 
 from tessellm.config import EngineConfig
 from tessellm.device import DevicePlugin
-from tessellm.graph.plan import ExecutionPlan
+from tessellm.graph.plan import KV_CACHE_FEED, ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.models.spec import ModelSpec
 
@@ -53,7 +53,7 @@ def profile_forward(plan: ExecutionPlan, spec: ModelSpec, config: EngineConfig,
                  "positions": positions, "attn_meta": meta,
                  "logits_indices": torch.arange(T - n_logits, T, device=dev)}
         scratch = (2, 1, spec.num_kv_heads, bs, spec.head_dim)
-        feeds.update({f"kv_cache_{i}": torch.zeros(scratch, dtype=dtype, device=dev)
+        feeds.update({KV_CACHE_FEED.format(layer=i): torch.zeros(scratch, dtype=dtype, device=dev)
                       for i in range(spec.num_layers)})
         plan.run(feeds)
 

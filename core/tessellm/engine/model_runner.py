@@ -51,7 +51,7 @@ from tessellm.constraints.step_masks import PendingMasks, StepMasks
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
                                      SelectBitmaskKernel, SelectGreedyKernel, SelectSampleKernel,
                                      TokenLogprobs, TokenMasks, prompt_logprobs_of)
-from tessellm.graph.plan import ExecutionPlan
+from tessellm.graph.plan import KV_CACHE_FEED, STEP_FEEDS, ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.parallel.group import ControlChannel
 from tessellm.parallel.messages import Batch, BlockOps
@@ -253,9 +253,9 @@ class ModelRunner:
             query_start_loc=dev["query_start_loc"], seq_lens_host=b.seq_lens,
             query_lens_host=b.query_lens, max_seq_len=max(b.seq_lens),
             max_query_len=max(b.query_lens))
-        feeds = {"input_ids": dev["input_ids"], "positions": dev["positions"], "attn_meta": meta,
-                 "logits_indices": dev["logits_indices"]}
-        feeds.update({f"kv_cache_{i}": c for i, c in enumerate(self.kv_caches)})
+        feeds = dict(zip(STEP_FEEDS, (dev["input_ids"], dev["positions"], meta,
+                                      dev["logits_indices"])))
+        feeds.update({KV_CACHE_FEED.format(layer=i): c for i, c in enumerate(self.kv_caches)})
         if swapped_in is not None:
             self.blocks.swapper.wait_for_compute(swapped_in)
         pad = None if b.pad is None else self.shapes.step_padding(*b.pad)

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from tessellm.graph import ops
+from tessellm.graph.plan import KV_CACHE_FEED
 from tessellm.quant.formats import PackedWeight
 
 
@@ -62,7 +63,7 @@ class GraphBuilder:
         return StepPlaceholders(
             self.input("input_ids"), self.input("positions"), self.input("attn_meta"),
             self.input("logits_indices"),
-            tuple(self.input(f"kv_cache_{i}") for i in range(num_layers)))
+            tuple(self.input(KV_CACHE_FEED.format(layer=i)) for i in range(num_layers)))
 
     def weight(self, name: str) -> fx.Node:
         if name not in self.weights:

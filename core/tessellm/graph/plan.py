@@ -11,6 +11,12 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# What every step feeds a plan's `run` (and a plan `DevicePlugin.compile` returns): token ids
+# [T] int64, positions [T] int64, the AttentionMetadata, the rows whose logits are returned
+# [R] int64, and each layer's KV cache under KV_CACHE_FEED.format(layer=i).
+STEP_FEEDS = ("input_ids", "positions", "attn_meta", "logits_indices")
+KV_CACHE_FEED = "kv_cache_{layer}"
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 from tessellm.device import DevicePlugin
 from tessellm.errors import ConfigError
+from tessellm.kernels.op_coverage import OPTIONAL_OPS, REQUIRED_OPS
 from tessellm.kernels.reference import REFERENCE_OPS
 from tessellm.plugins import PluginManager
 from tessellm.testing import memory_checks as mem
@@ -68,7 +69,13 @@ def _kernel_checks(manager: PluginManager, device: DevicePlugin) -> list[Check]:
         unknown = sorted(set(ops) - set(REFERENCE_OPS))
         if unknown:
             raise CheckFailed(f"kernels for ops without a reference: {', '.join(unknown)}")
-        return f"{len(ops)} ops: {', '.join(ops)}"
+        missing = sorted(REQUIRED_OPS - set(ops))
+        if missing:
+            raise CheckFailed(f"no kernel for the required op(s) {', '.join(missing)} "
+                              "(tessellm.plugin_api.REQUIRED_OPS): some models cannot run here")
+        optional = sorted(OPTIONAL_OPS - set(ops))
+        return (f"{len(ops)} ops: {', '.join(ops)}"
+                + (f"; optional ops not covered: {', '.join(optional)}" if optional else ""))
 
     checks = [Check("kernels.ops", "kernels", known_ops)]
     for op in ops:

@@ -115,9 +115,12 @@ class CudaDevice(DevicePlugin):
     def allocator(self) -> DeviceAllocator:
         with self._lock:
             if self._allocator is None:
-                from tessellm_cuda.allocator import CudaAllocator
                 torch.cuda.set_device(self.torch_device)
-                self._allocator = CudaAllocator(self.torch_device, self.memory_info().total_bytes)
+                # tag accounting over torch's caching allocator (which keeps freed blocks for
+                # reuse: the driver's free memory is not what is left here); the engine
+                # `reserve`s the measured activation peak, so the KV pool gets the rest
+                self._allocator = DeviceAllocator(self.torch_device,
+                                                  self.memory_info().total_bytes)
             return self._allocator
 
     def host_allocator(self) -> HostAllocator:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from tessellm.plugin_api import DevicePlugin, hookimpl
 from tessellm_cuda.device import CudaDevice, TritonInterpretDevice
 
-TESSELLM_API_VERSION = "1.4"
+TESSELLM_API_VERSION = "1.6"
 
 
 @hookimpl

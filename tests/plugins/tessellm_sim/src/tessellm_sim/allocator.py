@@ -78,20 +78,13 @@ class SimAllocator(DeviceAllocator):
         self._chunks: list[_Chunk] = []
         self._blocks: dict[int, tuple[_Chunk, int, int]] = {}  # id(tensor) -> (chunk, offset, size)
 
-    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, tag: str) -> torch.Tensor:
-        shape = tuple(shape)
+    def raw_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Carved out of the arena (the base `allocate` has counted it against capacity)."""
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        self._reserve(nbytes, tag)  # raises DeviceUnavailableError over capacity
-        try:
-            chunk, off, size = self._carve(max(_round_up(nbytes, ALIGNMENT), ALIGNMENT))
-        except BaseException:
-            with self._lock:
-                self._allocated -= nbytes
-            raise
+        chunk, off, size = self._carve(max(_round_up(nbytes, ALIGNMENT), ALIGNMENT))
         t = chunk.buffer[off:off + nbytes].view(dtype).view(shape)
         with self._arena_lock:
             self._blocks[id(t)] = (chunk, off, size)
-        self._register(t, tag, nbytes)
         return t
 
     def adopt(self, tensor: torch.Tensor, tag: str) -> torch.Tensor:
