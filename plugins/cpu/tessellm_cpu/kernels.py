@@ -149,6 +149,9 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
     def k(op: str, name: str, fn, description: str = "") -> Kernel:
         return Kernel(op=op, name=name, fn=fn, device=device, description=description)
 
+    from tessellm_cpu.native_build import prebuild
+    from tessellm_cpu.native_linear import NATIVE
+    prebuild(sorted(NATIVE.glob("*.c")))   # a fresh cache compiles them side by side
     # kernels with a weight layout come after the plain ones, so kernel_selection "first"
     # never converts a weight
     return native_kernels(device, not_offered) + [

@@ -30,6 +30,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,6 +189,29 @@ def _load(path: Path) -> ctypes.CDLL:
 def library_path(source: Path, key: str) -> Path:
     """Where the build of `source` with hash `key` is cached."""
     return cache_root() / "native" / f"{source.stem}-{key[:16]}.so"
+
+
+def prebuild(sources: list[Path]) -> None:
+    """Compile the sources whose build is not cached yet, one compiler process per core at
+    once, so a fresh cache costs the longest compile rather than the sum. A failure is left
+    for `build_library`, which reports it when that source's kernel is built."""
+    try:
+        cc = _compiler()
+        out_dir = _cache_dir()
+        missing = [(s, library_path(s, library_key(s, cc))) for s in sources]
+    except NativeBuildError:
+        return
+    missing = [(s, p) for s, p in missing if not p.exists()]
+    if len(missing) < 2:
+        return
+
+    def compile_one(item: tuple[Path, Path]) -> None:
+        try:
+            _compile(cc, item[0], out_dir, item[1])
+        except NativeBuildError:
+            pass
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(compile_one, missing))
 
 
 def build_library(source: Path) -> NativeLibrary:
