@@ -10,12 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tessellm.errors import ModelLoadError
-from tessellm.models.hf_files import (
-    eos_token_ids,
-    load_safetensors,
-    load_tokenizer,
-    read_hf_config,
-)
+from tessellm.models.hf_files import eos_token_ids, load_safetensors, read_hf_config
+from tessellm.models.source_tokenizer import load_tokenizer
 
 STORIES = Path("/work/shared/models/stories260K-hf")
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K-hf not available")
