@@ -348,3 +348,48 @@ def test_every_timed_call_starts_after_the_cache_flush() -> None:
     assert "flush=65536" in sel.cache_key(Q, candidates)
     assert "flush=0" in _selector(_registry(*kernels.items()), flush_bytes=0).cache_key(
         Q, candidates)
+
+
+def test_a_clear_loser_is_ranked_after_one_round_and_the_reference_is_not_run_twice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate 4x slower than the best after one timed round is not timed again (its
+    ranking keeps its one sample); a candidate that is the reference op is correct without
+    being run in the check."""
+    calls = {"slow": 0, "ref_in_check": 0}
+    in_check = [False]
+
+    def slow(x, w, b=None):
+        calls["slow"] += 1
+        time.sleep(0.01)
+        return torch.nn.functional.linear(x, w, b)
+
+    real_ref = ref.REFERENCE_OPS["linear"]
+
+    def counting_ref(*args):
+        calls["ref_in_check"] += in_check[0]
+        return real_ref(*args)
+
+    monkeypatch.setitem(ref.REFERENCE_OPS, "linear", counting_ref)
+    reg = KernelRegistry()
+    reg.register(Kernel("linear", "fast", torch.nn.functional.linear, "cpu"))
+    reg.register(Kernel("linear", "slow", slow, "cpu"))
+    reg.register(Kernel("linear", "the_reference", counting_ref, "cpu"))
+    sel = KernelSelector(reg, "cpu", "cpu", lambda: None, min_time_s=0.05)
+    real_check = sel._check
+
+    def spying_check(*args):
+        in_check[0] = True
+        try:
+            return real_check(*args)
+        finally:
+            in_check[0] = False
+    monkeypatch.setattr(sel, "_check", spying_check)
+    query = KernelQuery("linear", torch.float32, 4,
+                        (("bias", False), ("in_features", 16), ("out_features", 8)))
+    decision = sel.decide(query)
+    assert decision.choice in ("fast", "the_reference")
+    assert calls["slow"] == 2          # its check and one timed round
+    slow_c = next(c for c in decision.ranking if c.name == "slow")
+    assert slow_c.correct and slow_c.best_us >= 1e4
+    assert next(c for c in decision.ranking if c.name == "the_reference").correct
+    assert calls["ref_in_check"] == 0

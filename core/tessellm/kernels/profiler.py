@@ -4,8 +4,9 @@ For a concrete KernelQuery (op, dtype, token bucket, model dims) on the active d
 selector either takes the first supported candidate (`first`), a named kernel (`{op: name}`),
 or profiles (`profile`): each candidate runs on seeded example inputs, its output is compared
 with the reference op (a wrong kernel is rejected and the reason kept), and the fastest correct
-one wins (minimum over interleaved timed rounds, with device synchronization; after three
-rounds a candidate more than twice as slow as the best is ranked and no longer timed). Before every
+one wins (minimum over interleaved timed rounds, with device synchronization; a candidate
+more than 4x as slow as the best after one round, or 2x after three, is ranked on the samples
+it has and no longer timed). Before every
 timed call a scratch buffer of `flush_bytes` (default 8 MiB, several times a core's L2) is
 written, so each call starts with caches as cold as in a forward pass, where every small op
 follows a GEMM that streamed megabytes of weights: in a hot loop a chain of small torch ops
@@ -336,9 +337,10 @@ class KernelSelector:
         for rnd in range(self.max_reps):
             if rnd >= 3 and time.perf_counter() > deadline:
                 break
-            if rnd >= 3:   # a candidate already twice as slow as the best is ranked, not retimed
-                best = min(min(v) for v in samples.values() if v)
-                dropped |= {n for n, v in samples.items() if v and min(v) > 2 * best}
+            if rnd >= 1:   # a clear loser is ranked on the samples it has, not retimed:
+                best = min(min(v) for v in samples.values() if v)   # 4x after one round,
+                bound = 2 * best if rnd >= 3 else 4 * best           # 2x after three
+                dropped |= {n for n, v in samples.items() if v and min(v) > bound}
             for c, k_args in timed:
                 if not c.correct or c.name in dropped:
                     continue
@@ -373,8 +375,11 @@ class KernelSelector:
     def _check(self, kernel: Kernel, op: str, args: list[Any], expected: list[torch.Tensor],
                rtol: float, atol: float) -> tuple[Candidate, list[Any]]:
         """Run once on a private copy of the inputs (the weight in the kernel's own layout,
-        prepared before anything is timed) and compare with the reference."""
+        prepared before anything is timed) and compare with the reference. A candidate that
+        is the reference op itself is correct by definition (not run twice)."""
         run_args = _clone_args(args)
+        if kernel.fn is REFERENCE_OPS.get(op) and kernel.weight_layout is None:
+            return Candidate(kernel.name, None, True), run_args
         try:
             if kernel.weight_layout is not None:
                 run_args[1] = kernel.weight_layout.prepare(run_args[1])
