@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from tessellm.kernels import reference as ref
-from tessellm.kernels.profiler import KernelSelector, ProfileCache, kernel_code_hash
+from tessellm.kernels.kernel_code_hash import kernel_code_hash
+from tessellm.kernels.profiler import KernelSelector, ProfileCache
 from tessellm.kernels.registry import Kernel, KernelQuery, KernelRegistry, WeightLayout
 
 DEV = "dev"
@@ -106,7 +107,7 @@ def test_a_changed_kernel_is_profiled_again(tmp_path: Path) -> None:
 
 def test_cpu_kernel_keys_are_the_same_in_another_process() -> None:
     script = ("from tessellm_cpu.kernels import cpu_kernels\n"
-              "from tessellm.kernels.profiler import kernel_code_hash\n"
+              "from tessellm.kernels.kernel_code_hash import kernel_code_hash\n"
               "print({k.name: kernel_code_hash(k) for k in cpu_kernels('cpu')})\n")
     from tessellm_cpu.kernels import cpu_kernels
     here = str({k.name: kernel_code_hash(k) for k in cpu_kernels("cpu")})

@@ -12,25 +12,21 @@ adds `idle_after` (the server's gauges once the traffic stopped) and `ok`.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tessellm.testing.hostile_requests import HostileRequest, hostile_requests
-from tessellm.testing.raw_http import send_raw
+if TYPE_CHECKING:   # the catalogue and raw client are imported when a soak runs, not when
+    from tessellm.testing.hostile_requests import HostileRequest   # the parser is built
 
-URL_LINE = re.compile(r"tessellm: serving .* on (http://[0-9.]+:\d+) \(engine core pid (\d+)\)")
 WORDS = ("once upon a time there was a little dog who liked to play in the park with "
          "his friend the cat and one day they found a big red ball").split()
 
@@ -110,6 +106,7 @@ async def _ordinary(session: Any, url: str, rng: random.Random, headers: dict[st
 
 
 async def _hostile(host: str, port: int, case: HostileRequest, tally: SoakTally) -> None:
+    from tessellm.testing.raw_http import send_raw
     answer = await send_raw(host, port, case.raw)
     tally.statuses[answer.status] += 1
     if answer.status != case.status:
@@ -119,11 +116,14 @@ async def _hostile(host: str, port: int, case: HostileRequest, tally: SoakTally)
 
 async def run_soak(url: str, server_pid: int, requests: int, concurrency: int,
                    hostile: float, disconnect: float, report_every: int, max_queue: int,
-                   api_key: str | None, seed: int = 0, out: Any = sys.stdout) -> dict[str, Any]:
+                   api_key: str | None, seed: int = 0, out: Any = None) -> dict[str, Any]:
+    """`out`: where the reports go (default: sys.stdout as it is at the call)."""
     import aiohttp
     from urllib.parse import urlsplit
+    out = sys.stdout if out is None else out
     rng = random.Random(seed)
     parts = urlsplit(url)
+    from tessellm.testing.hostile_requests import hostile_requests
     catalogue = hostile_requests(max_queue, api_key)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     tally = SoakTally()
@@ -176,28 +176,48 @@ async def run_soak(url: str, server_pid: int, requests: int, concurrency: int,
     return final
 
 
-def start_server(serve_args: list[str]) -> tuple[subprocess.Popen, str, int, Path]:
-    """`tessellm serve --port 0 ...` in a subprocess: (process, url, core pid, log path)."""
-    log_path = Path(tempfile.mkdtemp(prefix="tessellm-soak-")) / "server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tessellm.cli.main", "serve", "--host",
-                                 "127.0.0.1", "--port", "0", *serve_args],
-                                stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        m = URL_LINE.search(log_path.read_text(errors="replace"))
-        if m:
-            return proc, m.group(1), int(m.group(2)), log_path
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the server did not start:\n{log_path.read_text(errors='replace')}")
+def add_parser(bsub: Any) -> argparse.ArgumentParser:
+    sk = bsub.add_parser("soak", help="many mixed requests (hostile ones, disconnects) against "
+                         "a server, with its memory and descriptors every --report-every")
+    sk.add_argument("--model", default=None, help="model of the server it starts (default: "
+                    "the default model)")
+    sk.add_argument("--serve-args", default="", help="more `tessellm serve` options, quoted")
+    sk.add_argument("--url", default=None, help="a running server instead (needs --server-pid)")
+    sk.add_argument("--server-pid", type=int, default=None)
+    sk.add_argument("--api-key", default=None)
+    sk.add_argument("--requests", type=int, default=20000)
+    sk.add_argument("--concurrency", type=int, default=16)
+    sk.add_argument("--hostile", type=float, default=0.1, help="fraction of hostile requests")
+    sk.add_argument("--disconnect", type=float, default=0.05,
+                    help="fraction of streams the client leaves early")
+    sk.add_argument("--report-every", type=int, default=1000)
+    sk.add_argument("--max-queue", type=int, default=64)
+    sk.add_argument("--seed", type=int, default=0)
+    return sk
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+def cmd_bench_soak(a: argparse.Namespace) -> int:
+    """A server started here (or the one at --url), soaked; exit 1 on any unexpected answer."""
+    import shlex
+
+    from tessellm.cli.server_process import start_server, stop_server
+    from tessellm.errors import TessellmError
+    proc = None
+    url, pid = a.url, a.server_pid
+    if url is None:
+        serve_args = ["--max-queue", str(a.max_queue), *shlex.split(a.serve_args)]
+        if a.model:
+            serve_args = ["--model", a.model, *serve_args]
+        proc, url, _, log = start_server(serve_args)
+        pid = proc.pid
+        print(json.dumps({"server": url, "log": str(log)}), flush=True)
+    elif pid is None:
+        raise TessellmError("--url needs --server-pid (to read its memory and descriptors)")
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        result = asyncio.run(run_soak(url, pid, a.requests, a.concurrency, a.hostile,
+                                      a.disconnect, a.report_every, a.max_queue, a.api_key,
+                                      a.seed))
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    return 0 if result["ok"] else 1

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tessellm.cli.server_process import URL_LINE, stop_server
+
 STAGE_LINE = re.compile(r"^tessellm: \[(\d+\.\d+) s\] (.*)$", re.MULTILINE)
 POLL_S = 0.02
 
@@ -51,7 +53,6 @@ def time_one_start(serve_args: list[str], cache_dir: Path, timeout_s: float
     """Start a server on a free port with `cache_dir` as its cache (its log there too);
     seconds from the spawn to /health 200, and its stage lines; the server is stopped
     before this returns."""
-    from tessellm.cli.bench_soak import URL_LINE, stop_server   # not at import: `tessellm`
     cache_dir.mkdir(parents=True, exist_ok=True)
     log_path = cache_dir / f"server-{time.monotonic_ns()}.log"
     env = {**os.environ, "TESSELLM_CACHE_DIR": str(cache_dir)}

@@ -183,31 +183,6 @@ def cmd_bench_startup(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_soak(a: argparse.Namespace) -> int:
-    import asyncio
-    import shlex
-    from tessellm.cli.bench_soak import run_soak, start_server, stop_server
-    proc = None
-    url, pid = a.url, a.server_pid
-    if url is None:
-        serve_args = ["--max-queue", str(a.max_queue), *shlex.split(a.serve_args)]
-        if a.model:
-            serve_args = ["--model", a.model, *serve_args]
-        proc, url, _, log = start_server(serve_args)
-        pid = proc.pid
-        print(json.dumps({"server": url, "log": str(log)}), flush=True)
-    elif pid is None:
-        raise TessellmError("--url needs --server-pid (to read its memory and descriptors)")
-    try:
-        result = asyncio.run(run_soak(url, pid, a.requests, a.concurrency, a.hostile,
-                                      a.disconnect, a.report_every, a.max_queue, a.api_key,
-                                      a.seed))
-    finally:
-        if proc is not None:
-            stop_server(proc)
-    return 0 if result["ok"] else 1
-
-
 def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """The engine and server configs of a parsed `serve` command line (file, then flags)."""
     from tessellm.server.server_config import load_configs
@@ -362,23 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw the figures into this PNG (needs matplotlib)")
     sv.set_defaults(func=cmd_bench_serve)
-    sk = bsub.add_parser("soak", help="many mixed requests (hostile ones, disconnects) against "
-                         "a server, with its memory and descriptors every --report-every")
-    sk.add_argument("--model", default=None, help="model of the server it starts (default: "
-                    "the default model)")
-    sk.add_argument("--serve-args", default="", help="more `tessellm serve` options, quoted")
-    sk.add_argument("--url", default=None, help="a running server instead (needs --server-pid)")
-    sk.add_argument("--server-pid", type=int, default=None)
-    sk.add_argument("--api-key", default=None)
-    sk.add_argument("--requests", type=int, default=20000)
-    sk.add_argument("--concurrency", type=int, default=16)
-    sk.add_argument("--hostile", type=float, default=0.1, help="fraction of hostile requests")
-    sk.add_argument("--disconnect", type=float, default=0.05,
-                    help="fraction of streams the client leaves early")
-    sk.add_argument("--report-every", type=int, default=1000)
-    sk.add_argument("--max-queue", type=int, default=64)
-    sk.add_argument("--seed", type=int, default=0)
-    sk.set_defaults(func=cmd_bench_soak)
+    from tessellm.cli.bench_soak import add_parser as add_bench_soak, cmd_bench_soak
+    add_bench_soak(bsub).set_defaults(func=cmd_bench_soak)
     from tessellm.cli.bench_schedule import add_parser as add_bench_schedule
     add_bench_schedule(bsub).set_defaults(func=cmd_bench_schedule)
     from tessellm.cli.bench_startup import add_parser as add_bench_startup

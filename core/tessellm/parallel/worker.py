@@ -40,7 +40,7 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
     """Build this rank's engine parts, then run rank 0's device work until Stop."""
     from tessellm.engine.builder import build_engine_parts
     from tessellm.engine.kernel_warmup import choose_kernels
-    from tessellm.engine.llm_engine import make_model_runner
+    from tessellm.engine.runner_factory import make_model_runner
 
     parts = build_engine_parts(config, parallel=group)
     runner = make_model_runner(parts)

@@ -48,6 +48,7 @@ class LazyHostMemory:
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._done.set()
+        self._madvise = _Madvise()
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
@@ -82,7 +83,7 @@ class LazyHostMemory:
             for m in pending:
                 for offset in range(0, m.nbytes, COMMIT_CHUNK_BYTES):
                     length = min(COMMIT_CHUNK_BYTES, m.nbytes - offset)
-                    if not _madvise(m.address + offset, length, MADV_POPULATE_WRITE):
+                    if not self._madvise(m.address + offset, length, MADV_POPULATE_WRITE):
                         log.info("host memory is committed as steps first write it "
                                  "(madvise MADV_POPULATE_WRITE unavailable)")
                         return
@@ -90,11 +91,16 @@ class LazyHostMemory:
             self._done.set()
 
 
-def _madvise(address: int, nbytes: int, advice: int) -> bool:
-    """libc madvise through ctypes (the GIL is released during the call); False on failure."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return False
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), advice) == 0
+class _Madvise:
+    """libc's madvise through ctypes (the GIL is released during the call), loaded once."""
+
+    def __init__(self) -> None:
+        try:
+            self._fn = ctypes.CDLL(None, use_errno=True).madvise
+            self._fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            self._fn = None
+
+    def __call__(self, address: int, nbytes: int, advice: int) -> bool:
+        """False on failure (or where there is no madvise)."""
+        return self._fn is not None and self._fn(address, nbytes, advice) == 0
