@@ -98,18 +98,25 @@ def test_native_embedding_rows_equal_the_reference_to_the_bit(fmt, compute_dtype
     assert torch.equal(got, embedding_packed(ids, w))
 
 
+@pytest.fixture(scope="module", params=["NativeQ8ActLinear", "NativeQ8ActAmxLinear"])
+def int8_kernel(request):
+    """Each C int8-activation kernel: VNNI dot products, AMX tiles (where this CPU has them)."""
+    try:
+        from tessellm_cpu import native_linear
+        return getattr(native_linear, request.param)()
+    except Exception as e:   # no VNNI / AMX or no compiler: the kernel is not offered there
+        pytest.skip(f"native {request.param} unavailable here: {e}")
+
+
 @pytest.mark.parametrize("fmt", K_QUANTS, ids=IDS)
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
-def test_int8_activation_kernel_equals_its_reference(fmt, m: int, n: int, k: int) -> None:
+def test_int8_activation_kernel_equals_its_reference(int8_kernel, fmt, m: int, n: int,
+                                                     k: int) -> None:
     """linear_packed_q8act: the input's 32-value blocks rounded to int8 (the reference's
-    rounding, included), then VNNI integer dot products per block of 32 (Q6_K: per 16, each
-    with its scale): equal to the reference up to float32 rounding, and not the float
-    product (the rounding is real)."""
-    try:
-        from tessellm_cpu.native_linear import NativeQ8ActLinear
-        native = NativeQ8ActLinear()
-    except Exception as e:   # no VNNI or no compiler: the kernel is not offered there
-        pytest.skip(f"native q8act kernel unavailable here: {e}")
+    rounding, included), then integer dot products per block of 32 (Q6_K: per 16, each
+    with its scale; VNNI or AMX tiles): equal to the reference up to float32 rounding, and
+    not the float product (the rounding is real)."""
+    native = int8_kernel
     w = _weight(fmt, n, k, seed=m + n + 1)
     g = torch.Generator().manual_seed(k + 1)
     x = torch.randn((m, k), generator=g)

@@ -2,7 +2,8 @@
 
 The reference rounds each 32-value block of the input as Q8_0 does (d = max|x| / 127, half to
 even) and multiplies by the dequantized weight in float32. The CPU plugin's C kernel (AVX-512
-VNNI integer dot products over the GGUF blocks read in place) equals it up to float32 rounding
+VNNI integer dot products over the GGUF blocks read in place; or AMX int8 tiles over blocks
+decoded per call) equals it up to float32 rounding
 for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (the K-quants: test_k_quants.py), any row count, an odd number of blocks and output features not a
 multiple of its 4-row groups; it is not the float product (the rounding is real)."""
 from __future__ import annotations
@@ -25,13 +26,14 @@ def test_q8_blocks_round_half_even_with_the_block_max_at_127():
     assert torch.allclose(steps, steps.round(), atol=1e-3) and steps.abs().max() <= 127.001
 
 
-@pytest.fixture(scope="module")
-def native():
+@pytest.fixture(scope="module", params=["NativeQ8ActLinear", "NativeQ8ActAmxLinear"])
+def native(request):
+    """Each C kernel: VNNI dot products, AMX tiles (where this CPU has them)."""
     try:
-        from tessellm_cpu.native_linear import NativeQ8ActLinear
-        return NativeQ8ActLinear()
-    except Exception as e:   # no VNNI or no compiler: the kernel is not offered there
-        pytest.skip(f"native q8act kernel unavailable here: {e}")
+        from tessellm_cpu import native_linear
+        return getattr(native_linear, request.param)()
+    except Exception as e:   # no VNNI / AMX or no compiler: the kernel is not offered there
+        pytest.skip(f"native {request.param} unavailable here: {e}")
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
@@ -60,12 +62,13 @@ def test_bfloat16_input_comes_back_in_bfloat16(native):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
 def test_rows_tiled_together_equal_rows_one_at_a_time(native, fmt):
-    """The kernel tiles 4 rows of x against each group of weight rows (prefill); every output
-    is computed by the same operations in the same order as for a lone row, so the two agree
-    to the bit (a row's result does not depend on the batch it came in)."""
+    """Each kernel tiles rows of x against groups of weight rows (VNNI: 4 rows; AMX: 16, the
+    rest zero-padded); every output is computed by the same operations in the same order as
+    for a lone row, so the two agree to the bit (a row's result does not depend on the batch
+    it came in)."""
     g = torch.Generator().manual_seed(7)
     w = quantize(torch.randn(11, 32 * 19, generator=g) * 0.1, FORMATS_BY_NAME[fmt])
-    x = torch.randn(10, 32 * 19, generator=g)   # two tiles of 4 and two rows after them
+    x = torch.randn(18, 32 * 19, generator=g)   # whole tiles and rows after them
     batched = native(x, w)
     for i in range(x.shape[0]):
         assert torch.equal(batched[i:i + 1], native(x[i:i + 1], w))

@@ -4,7 +4,9 @@ serves them:
 - `NativePackedLinear` (native/linear_packed.c, op linear_packed): float32 dot products over
   the legacy blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants (Q4_K, Q5_K, Q6_K);
 - `NativeQ8ActLinear` (native/linear_q8act.c, op linear_packed_q8act): each 32-value input
-  block rounded to int8 first, then AVX-512 VNNI integer dot products (the same types).
+  block rounded to int8 first, then AVX-512 VNNI integer dot products (the same types);
+- `NativeQ8ActAmxLinear` (native/linear_q8act_amx.c, the same op): the same rounding, the
+  weights decoded per call into AMX B tiles, 16 x 16 x 32 integer tile products (prefill).
 `NativePackedEmbedding` (linear_packed.c too, op embedding_packed) dequantizes the rows it
 reads."""
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tessellm.plugin_api import KernelQuery, PackedWeight
-from tessellm_cpu.native_build import build_library, entry_point
+from tessellm_cpu.native_build import NativeBuildError, build_library, entry_point
 
 NATIVE = Path(__file__).with_name("native")
 # GGML Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
@@ -25,13 +27,14 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _PackedLinearC:
-    """`entry`(x, M, K, w, N, qtype, bias, out) -> 0, 1 (bad format or K), 2 (no memory)
-    of the C file `source` for the GGML types `types`, offered up to `max_tokens` rows of x
-    (None: any)."""
+    """`entry`(x, M, K, w, N, qtype, bias, out) -> 0, 1 (bad format or K), 2 (no memory),
+    3 (unavailable here) of the C file `source` for the GGML types `types`, offered for
+    `min_tokens` up to `max_tokens` rows of x (None: any)."""
 
     source: Path
     entry: str
     types: frozenset[int]
+    min_tokens = 1
     max_tokens: int | None = None
 
     def __init__(self) -> None:
@@ -44,6 +47,7 @@ class _PackedLinearC:
     def supports(self, query: KernelQuery) -> bool:
         return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and query.dim("qtype") in self.types
+                and query.num_tokens >= self.min_tokens
                 and (self.max_tokens is None or query.num_tokens <= self.max_tokens))
 
     def __call__(self, x: torch.Tensor, weight: PackedWeight,
@@ -68,6 +72,9 @@ class _PackedLinearC:
                       0 if bf is None else bf.data_ptr(), out.data_ptr())
         if rc == 2:
             raise MemoryError(f"native {self.entry} could not allocate its scratch buffer")
+        if rc == 3:
+            raise RuntimeError(f"native {self.entry}: Linux refused this process the AMX tile "
+                               "state")
         if rc != 0:
             raise ValueError(f"native {self.entry} refused {weight.format.name} with K={k}")
         return out if x.dtype is torch.float32 else out.to(x.dtype)
@@ -82,6 +89,20 @@ class NativePackedLinear(_PackedLinearC):
 
 class NativeQ8ActLinear(_PackedLinearC):
     source, entry, types = NATIVE / "linear_q8act.c", "linear_q8act_f32", INT8_ACTIVATION_TYPES
+
+
+class NativeQ8ActAmxLinear(_PackedLinearC):
+    source, entry, types = NATIVE / "linear_q8act_amx.c", "linear_q8act_amx_f32", INT8_ACTIVATION_TYPES
+    # Decoding a strip of weights into tiles costs about one 16-row tile's work, so it pays
+    # from tens of rows (prefill); a decode step stays with the VNNI kernel.
+    min_tokens = 16
+
+    def __init__(self) -> None:
+        super().__init__()
+        enable = entry_point(build_library(self.source), "amx_enable")
+        enable.restype = ctypes.c_int
+        if enable() != 0:
+            raise NativeBuildError("Linux refused this process the AMX tile state")
 
 
 class NativePackedEmbedding:

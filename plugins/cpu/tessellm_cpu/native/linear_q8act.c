@@ -27,6 +27,7 @@
 #include "k_quant_blocks.h"
 #include "packed_blocks.h"
 #include "prefetch.h"
+#include "q8_rows.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
 #error "linear_q8act needs AVX-512 F, BW and VNNI"
@@ -34,54 +35,6 @@
 
 #define NR 4   /* output features per group */
 #define MR 4   /* rows of x per tile */
-#define INLINE static inline __attribute__((always_inline))
-
-/* Scratch for one row of x: xq (nb rounded up to even, 32 bytes a block), then dx and sx
- * (dx * sum of the block's xq), nb rounded up to 16 floats each. */
-typedef struct {
-    int8_t *xq;
-    float *dx, *sx;
-} QRow;
-
-INLINE int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-INLINE size_t row_bytes(int64_t nb) {
-    return (size_t)round_up(nb, 2) * QK + 2 * sizeof(float) * (size_t)round_up(nb, 16);
-}
-
-/* Quantize one row of x. `interleave`: pairs of blocks (A, B) laid out as A0-15 B0-15 A16-31
- * B16-31, the order the unpacked 4-bit weights of a pair come in; else blocks in order. */
-static void quantize_row(const float *x, int64_t nb, int interleave, QRow r) {
-    memset(r.xq, 0, (size_t)round_up(nb, 2) * QK);
-    memset(r.dx, 0, sizeof(float) * (size_t)round_up(nb, 16));
-    memset(r.sx, 0, sizeof(float) * (size_t)round_up(nb, 16));
-    for (int64_t b = 0; b < nb; b++) {
-        const float *p = x + b * QK;
-        const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float d = amax / 127.0f;
-        __m512i qlo = _mm512_setzero_si512(), qhi = _mm512_setzero_si512();
-        if (d > 0.f) {   /* round to nearest even (MXCSR default), as torch.round */
-            const __m512 vd = _mm512_set1_ps(d);
-            qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, vd));
-            qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, vd));
-        }
-        const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
-        int8_t *dst;
-        if (interleave) {
-            dst = r.xq + (b / 2) * 64 + (b % 2) * 16;
-            _mm_storeu_si128((__m128i *)dst, blo);
-            _mm_storeu_si128((__m128i *)(dst + 32), bhi);
-        } else {
-            dst = r.xq + b * QK;
-            _mm_storeu_si128((__m128i *)dst, blo);
-            _mm_storeu_si128((__m128i *)(dst + 16), bhi);
-        }
-        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        r.dx[b] = d;
-        r.sx[b] = d * (float)s;
-    }
-}
 
 /* Lane -> block of a 16-block group, for pair j of the group: the 4-bit layout puts block 2j in
  * lanes 0-3 and 8-11 and block 2j+1 in lanes 4-7 and 12-15; the 8-bit one 2j in 0-7. */
@@ -356,19 +309,11 @@ int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int
     const int64_t nb = K / QK;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
     const int interleave = qtype == Q4_0 || qtype == Q4_1;   /* their pairs' nibble order */
-    const size_t per_row = round_up((int64_t)row_bytes(nb), 64);
-    uint8_t *scratch = aligned_alloc(64, per_row * (size_t)M);
-    if (!scratch) return 2;
-    QRow *rows = malloc(sizeof(QRow) * (size_t)M);
-    if (!rows) { free(scratch); return 2; }
-    for (int64_t i = 0; i < M; i++) {
-        uint8_t *base = scratch + per_row * (size_t)i;
-        rows[i].xq = (int8_t *)base;
-        rows[i].dx = (float *)(base + round_up(nb, 2) * QK);
-        rows[i].sx = rows[i].dx + round_up(nb, 16);
-    }
+    Q8Rows q;
+    if (q8_rows_alloc(&q, M, nb)) return 2;
+    const QRow *rows = q.rows;
 #pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, nb, interleave, rows[i]);
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, nb, interleave, q.rows[i]);
     const int64_t groups = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
     for (int64_t grp = 0; grp < groups; grp++) {
@@ -380,7 +325,6 @@ int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int
         for (; i + MR <= M; i += MR) tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, bias, out, N);
         for (; i < M; i++) tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N);
     }
-    free(rows);
-    free(scratch);
+    q8_rows_free(&q);
     return 0;
 }

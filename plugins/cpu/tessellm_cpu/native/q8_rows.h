@@ -1,0 +1,97 @@
+/* Rows of x rounded to int8 blocks for the CPU plugin's int8-activation linears
+ * (linear_q8act.c, linear_q8act_amx.c; part of their cache keys): each 32-value block of a row
+ * quantized as tessellm.kernels.reference.quantize_q8_blocks does (d = max|x| / 127,
+ * q = round-half-even(x / d); an all-zero block has d = 0, q = 0), with d and d * sum(q) kept
+ * per block for the scaling and offset terms. Needs AVX-512 F and BW. */
+#ifndef TESSELLM_Q8_ROWS_H
+#define TESSELLM_Q8_ROWS_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "packed_blocks.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Scratch for one row of x: xq (nb rounded up to even, 32 bytes a block), then dx and sx
+ * (dx * sum of the block's xq), nb rounded up to 16 floats each. */
+typedef struct {
+    int8_t *xq;
+    float *dx, *sx;
+} QRow;
+
+INLINE int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+INLINE size_t row_bytes(int64_t nb) {
+    return (size_t)round_up(nb, 2) * QK + 2 * sizeof(float) * (size_t)round_up(nb, 16);
+}
+
+/* Quantize one row of x. `interleave`: pairs of blocks (A, B) laid out as A0-15 B0-15 A16-31
+ * B16-31, the order the unpacked 4-bit weights of a pair come in; else blocks in order. */
+static inline void quantize_row(const float *x, int64_t nb, int interleave, QRow r) {
+    memset(r.xq, 0, (size_t)round_up(nb, 2) * QK);
+    memset(r.dx, 0, sizeof(float) * (size_t)round_up(nb, 16));
+    memset(r.sx, 0, sizeof(float) * (size_t)round_up(nb, 16));
+    for (int64_t b = 0; b < nb; b++) {
+        const float *p = x + b * QK;
+        const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f;
+        __m512i qlo = _mm512_setzero_si512(), qhi = _mm512_setzero_si512();
+        if (d > 0.f) {   /* round to nearest even (MXCSR default), as torch.round */
+            const __m512 vd = _mm512_set1_ps(d);
+            qlo = _mm512_cvtps_epi32(_mm512_div_ps(lo, vd));
+            qhi = _mm512_cvtps_epi32(_mm512_div_ps(hi, vd));
+        }
+        const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
+        int8_t *dst;
+        if (interleave) {
+            dst = r.xq + (b / 2) * 64 + (b % 2) * 16;
+            _mm_storeu_si128((__m128i *)dst, blo);
+            _mm_storeu_si128((__m128i *)(dst + 32), bhi);
+        } else {
+            dst = r.xq + b * QK;
+            _mm_storeu_si128((__m128i *)dst, blo);
+            _mm_storeu_si128((__m128i *)(dst + 16), bhi);
+        }
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        r.dx[b] = d;
+        r.sx[b] = d * (float)s;
+    }
+}
+
+/* The rows of x as one aligned block of `count` rows `per_row` bytes apart (rows[i] points
+ * into it); rows past those quantized are left zero (d = 0, q = 0) for callers that pad. */
+typedef struct {
+    uint8_t *scratch;
+    QRow *rows;
+    size_t per_row;
+} Q8Rows;
+
+/* 0, or 2 when the memory cannot be allocated (nothing to free then). */
+static inline int q8_rows_alloc(Q8Rows *q, int64_t count, int64_t nb) {
+    q->per_row = (size_t)round_up((int64_t)row_bytes(nb), 64);
+    q->scratch = aligned_alloc(64, q->per_row * (size_t)count);
+    q->rows = malloc(sizeof(QRow) * (size_t)count);
+    if (!q->scratch || !q->rows) {
+        free(q->scratch);
+        free(q->rows);
+        return 2;
+    }
+    memset(q->scratch, 0, q->per_row * (size_t)count);
+    for (int64_t i = 0; i < count; i++) {
+        uint8_t *base = q->scratch + q->per_row * (size_t)i;
+        q->rows[i].xq = (int8_t *)base;
+        q->rows[i].dx = (float *)(base + round_up(nb, 2) * QK);
+        q->rows[i].sx = q->rows[i].dx + round_up(nb, 16);
+    }
+    return 0;
+}
+
+static inline void q8_rows_free(Q8Rows *q) {
+    free(q->rows);
+    free(q->scratch);
+}
+
+#endif
