@@ -46,7 +46,8 @@ TOKENS = [1, 3, 17, 130]
 # kernels offered only for some calls: what each claims (checked both ways below)
 NARROW = {"linear_amx_native": lambda dtype, d, tokens: dtype is torch.bfloat16
           and d["in_features"] % 32 == 0 and d["out_features"] % 32 == 0,
-          "linear_q8act_amx": lambda dtype, d, tokens: tokens >= 16}   # tiles of 16 rows
+          "linear_q8act_amx": lambda dtype, d, tokens: tokens >= 16,   # tiles of 16 rows
+          "linear_packed_amx": lambda dtype, d, tokens: tokens >= 16}
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
        torch.bfloat16: {"rtol": 1.6e-2, "atol": 5e-2}}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}

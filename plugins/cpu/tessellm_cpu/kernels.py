@@ -114,13 +114,16 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
 
 def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
     """The AMX kernels where this machine has AMX: the bf16 linear (it reads its weight in a
-    layout of its own, so it comes after the plain kernels, like oneDNN's) and the int8 linear
-    over packed weights for many rows (after the VNNI one, which kernel_selection "first"
-    takes)."""
+    layout of its own, so it comes after the plain kernels, like oneDNN's) and the float and
+    int8 linears over packed weights for many rows (after the row kernels, which
+    kernel_selection "first" takes)."""
     from tessellm_cpu.native_amx import NativeAmxLinear
-    from tessellm_cpu.native_linear import NativeQ8ActAmxLinear
+    from tessellm_cpu.native_linear import NativePackedAmxLinear, NativeQ8ActAmxLinear
     return _built_kernels((("linear", "linear_amx_native", NativeAmxLinear,
                             "C, AMX bf16 tiles, weight packed once"),
+                           ("linear_packed", "linear_packed_amx", NativePackedAmxLinear,
+                            "C, AMX bf16 tiles over levels decoded per call, x in three bf16 "
+                            "parts: float32-exact (16+ rows)"),
                            ("linear_packed_q8act", "linear_q8act_amx", NativeQ8ActAmxLinear,
                             "C, AMX int8 tiles over blocks decoded per call (16+ rows)")),
                           device, not_offered)

@@ -6,7 +6,10 @@ serves them:
 - `NativeQ8ActLinear` (native/linear_q8act.c, op linear_packed_q8act): each 32-value input
   block rounded to int8 first, then AVX-512 VNNI integer dot products (the same types);
 - `NativeQ8ActAmxLinear` (native/linear_q8act_amx.c, the same op): the same rounding, the
-  weights decoded per call into AMX B tiles, 16 x 16 x 32 integer tile products (prefill).
+  weights decoded per call into AMX B tiles, 16 x 16 x 32 integer tile products (prefill);
+- `NativePackedAmxLinear` (native/linear_packed_amx.c, op linear_packed): float32 x split into
+  three bfloat16 parts against the weights' integer levels on AMX bf16 tiles, exact to
+  float32 rounding (prefill).
 `NativePackedEmbedding` (linear_packed.c too, op embedding_packed) dequantizes the rows it
 reads."""
 from __future__ import annotations
@@ -91,10 +94,11 @@ class NativeQ8ActLinear(_PackedLinearC):
     source, entry, types = NATIVE / "linear_q8act.c", "linear_q8act_f32", INT8_ACTIVATION_TYPES
 
 
-class NativeQ8ActAmxLinear(_PackedLinearC):
-    source, entry, types = NATIVE / "linear_q8act_amx.c", "linear_q8act_amx_f32", INT8_ACTIVATION_TYPES
-    # Decoding a strip of weights into tiles costs about one 16-row tile's work, so it pays
-    # from tens of rows (prefill); a decode step stays with the VNNI kernel.
+class _AmxPackedLinearC(_PackedLinearC):
+    """A packed linear on AMX tiles: offered where this process gets the tile state, from 16
+    rows (decoding a strip of weights into tiles costs about one 16-row tile's work, so it
+    pays from tens of rows, prefill; a decode step stays with the row kernels)."""
+
     min_tokens = 16
 
     def __init__(self) -> None:
@@ -103,6 +107,14 @@ class NativeQ8ActAmxLinear(_PackedLinearC):
         enable.restype = ctypes.c_int
         if enable() != 0:
             raise NativeBuildError("Linux refused this process the AMX tile state")
+
+
+class NativeQ8ActAmxLinear(_AmxPackedLinearC):
+    source, entry, types = NATIVE / "linear_q8act_amx.c", "linear_q8act_amx_f32", INT8_ACTIVATION_TYPES
+
+
+class NativePackedAmxLinear(_AmxPackedLinearC):
+    source, entry, types = NATIVE / "linear_packed_amx.c", "linear_packed_amx_f32", FLOAT_ACTIVATION_TYPES
 
 
 class NativePackedEmbedding:
