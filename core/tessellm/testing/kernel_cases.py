@@ -27,6 +27,8 @@ from tessellm.quant.formats import PACKED_FORMATS, packed_example
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROW_COUNTS = (0, 1, 7)                  # empty, single-token and a few-token batch
+# packed ops also at prefill size: past one 16-row tile (the AMX packed linears take 16+ rows)
+PACKED_ROW_COUNTS = ROW_COUNTS + (20,)
 HEADS = ((4, 4, 64), (4, 2, 80), (8, 2, 128), (8, 1, 64))   # (num_heads, num_kv_heads, head_dim)
 PACKED = tuple(PACKED_FORMATS.values())     # legacy (blocks of 32) and K-quants (of 256)
 
@@ -143,7 +145,7 @@ def _packed_cases(op: str) -> list[KernelCase]:
     out = []
     for dt in DTYPES:
         for fmt in PACKED:
-            for T in ROW_COUNTS:
+            for T in PACKED_ROW_COUNTS:
                 if op in ("linear_packed", "linear_packed_q8act"):
                     bias = int(fmt.name in ("Q4_0", "Q6_K"))
                     # an odd number of blocks too
