@@ -39,6 +39,21 @@ static inline void scales_mins_k4(const uint8_t *q, uint64_t *sc, uint64_t *m) {
     *m = (uint64_t)m_lo | ((uint64_t)m_hi << 32);
 }
 
+#ifdef __AVX512F__
+/* Q4_K/Q5_K: d_c and o_c of the 8 blocks of super-block `sb` in registers (what
+ * k_quant_block_scales stores; kernels that combine two super-blocks into 16 lanes take them
+ * this way, as a 512-bit load of two 256-bit stores would miss store forwarding). */
+static inline void k_quant_scales8(const uint8_t *sb, __m256 *ds, __m256 *os) {
+    const float d = f16_to_f32(sb), dmin = f16_to_f32(sb + 2);
+    uint64_t sc, m;
+    scales_mins_k4(sb + 4, &sc, &m);
+    const __m256 vsc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
+    const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
+    *ds = _mm256_mul_ps(_mm256_set1_ps(d), vsc);
+    *os = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), vm));
+}
+#endif
+
 /* The scales of super-block `sb`: Q4_K/Q5_K: d_c (ds[0..7]) and o_c (os[0..7]) of its 8
  * blocks; Q6_K: d * sc of its 16 groups of 16 weights (ds[0..15]; os unused). */
 static inline void k_quant_block_scales(const uint8_t *sb, int qtype, float *ds, float *os) {
@@ -54,15 +69,15 @@ static inline void k_quant_block_scales(const uint8_t *sb, int qtype, float *ds,
         (void)os;
         return;
     }
+#ifdef __AVX512F__
+    __m256 vd, vo;
+    k_quant_scales8(sb, &vd, &vo);
+    _mm256_storeu_ps(ds, vd);
+    _mm256_storeu_ps(os, vo);
+#else
     const float d = f16_to_f32(sb), dmin = f16_to_f32(sb + 2);
     uint64_t sc, m;
     scales_mins_k4(sb + 4, &sc, &m);
-#ifdef __AVX512F__
-    const __m256 vsc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
-    const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
-    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), vsc));
-    _mm256_storeu_ps(os, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), vm)));
-#else
     for (int c = 0; c < 8; c++) {
         ds[c] = d * (float)((sc >> (8 * c)) & 0xff);
         os[c] = -(dmin * (float)((m >> (8 * c)) & 0xff));

@@ -199,11 +199,16 @@ INLINE void tile_k(const float *x, const float *xs, int64_t K, const uint8_t *w,
         __m512 sx[MR];
         for (int i = 0; i < mr; i++) sx[i] = _mm512_maskz_loadu_ps(0xff, xs + (m0 + i) * nb + 8 * s);
         for (int r = 0; r < nr; r++) {
-            k_quant_block_scales(w + (n0 + r) * row + s * sbb, qtype, ds[r], os);
-            if (qtype != Q6_K) {
-                const __m512 o = _mm512_maskz_loadu_ps(0xff, os);
-                for (int i = 0; i < mr; i++) acc[r][i] = _mm512_fmadd_ps(o, sx[i], acc[r][i]);
+            const uint8_t *sb = w + (n0 + r) * row + s * sbb;
+            if (qtype == Q6_K) {
+                k_quant_block_scales(sb, qtype, ds[r], os);
+                continue;
             }
+            __m256 vd, vo;   /* in registers: a wide load of narrower stores misses forwarding */
+            k_quant_scales8(sb, &vd, &vo);
+            _mm256_storeu_ps(ds[r], vd);
+            const __m512 o = _mm512_zextps256_ps512(vo);
+            for (int i = 0; i < mr; i++) acc[r][i] = _mm512_fmadd_ps(o, sx[i], acc[r][i]);
         }
         for (int p = 0; p < 4; p++) {
             for (int r = 0; r < nr; r++) {

@@ -176,12 +176,12 @@ INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         __m512 dx[MR], d[NR];
         for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
         for (int r = 0; r < nr; r++) {
-            float ds[16] = {0}, os[16] = {0};
-            for (int64_t s = 0; s * 8 < ng; s++)
-                k_quant_block_scales(w + (n0 + r) * row + (g / 8 + s) * sbb, qtype, ds + 8 * s,
-                                     os + 8 * s);
-            d[r] = _mm512_loadu_ps(ds);
-            const __m512 o = _mm512_loadu_ps(os);
+            const uint8_t *sb = w + (n0 + r) * row + (g / 8) * sbb;
+            __m256 d0, o0, d1 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps();
+            k_quant_scales8(sb, &d0, &o0);
+            if (ng > 8) k_quant_scales8(sb + sbb, &d1, &o1);
+            d[r] = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
+            const __m512 o = _mm512_insertf32x8(_mm512_castps256_ps512(o0), o1, 1);
             for (int i = 0; i < mr; i++)
                 acc[r][i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
         }
