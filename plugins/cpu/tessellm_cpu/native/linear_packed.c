@@ -150,7 +150,8 @@ INLINE void group_scales(const uint8_t *wrow, int64_t g, int64_t ng, int qtype, 
  * t = levels . x (a multiply and an FMA) is added as t * d, and the 16 lanes are summed at the
  * end. */
 INLINE void tile(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
-                 int qtype, int64_t n0, int nr, int64_t m0, int mr, float *res) {
+                 int qtype, int64_t n0, int nr, int64_t m0, int mr, float *res,
+                 SpreadPrefetch *pf) {
     const int64_t nb = K / QK;
     __m512 acc[NR][MR];
     float ds[NR][16];
@@ -168,6 +169,7 @@ INLINE void tile(const float *x, const float *xs, int64_t K, const uint8_t *w, i
             for (int i = 0; i < mr; i++) acc[r][i] = _mm512_fmadd_ps(o, sx[i], acc[r][i]);
         }
         for (int64_t j = 0; j < ng; j++) {
+            spread_step(pf);
             for (int r = 0; r < nr; r++) {
                 __m512 lo, hi;
                 row_block_levels(w + (n0 + r) * row, g + j, qtype, &lo, &hi);
@@ -189,7 +191,8 @@ INLINE void tile(const float *x, const float *xs, int64_t K, const uint8_t *w, i
  * pairs (k_quant_pair_levels); per output the same operations in the same order whatever mr
  * and nr. */
 INLINE void tile_k(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
-                   int qtype, int64_t n0, int nr, int64_t m0, int mr, float *res) {
+                   int qtype, int64_t n0, int nr, int64_t m0, int mr, float *res,
+                   SpreadPrefetch *pf) {
     const int64_t nsb = K / QK_K, nb = K / QK, sbb = block_bytes(qtype);
     __m512 acc[NR][MR];
     float ds[NR][16], os[8];
@@ -211,6 +214,7 @@ INLINE void tile_k(const float *x, const float *xs, int64_t K, const uint8_t *w,
             for (int i = 0; i < mr; i++) acc[r][i] = _mm512_fmadd_ps(o, sx[i], acc[r][i]);
         }
         for (int p = 0; p < 4; p++) {
+            spread_step(pf);
             for (int r = 0; r < nr; r++) {
                 __m512 lv[4];
                 k_quant_pair_levels(w + (n0 + r) * row + s * sbb, p, qtype, lv);
@@ -245,19 +249,19 @@ INLINE void tile_k(const float *x, const float *xs, int64_t K, const uint8_t *w,
  * keep the accumulators in registers); writes the outputs (+ bias). */
 INLINE void tile_out(const float *x, const float *xs, int64_t K, const uint8_t *w, int64_t row,
                      int qtype, int64_t n0, int nr, int64_t m0, int mr, const float *bias,
-                     float *out, int64_t N) {
+                     float *out, int64_t N, SpreadPrefetch *pf) {
     float res[NR * MR];
 #define TILE_Q(NRC, MRC)                                                                        \
     do {                                                                                        \
         switch (qtype) {                                                                        \
-        case Q4_0: tile(x, xs, K, w, row, Q4_0, n0, NRC, m0, MRC, res); break;                  \
-        case Q4_1: tile(x, xs, K, w, row, Q4_1, n0, NRC, m0, MRC, res); break;                  \
-        case Q5_0: tile(x, xs, K, w, row, Q5_0, n0, NRC, m0, MRC, res); break;                  \
-        case Q5_1: tile(x, xs, K, w, row, Q5_1, n0, NRC, m0, MRC, res); break;                  \
-        case Q4_K: tile_k(x, xs, K, w, row, Q4_K, n0, NRC, m0, MRC, res); break;                \
-        case Q5_K: tile_k(x, xs, K, w, row, Q5_K, n0, NRC, m0, MRC, res); break;                \
-        case Q6_K: tile_k(x, xs, K, w, row, Q6_K, n0, NRC, m0, MRC, res); break;                \
-        default: tile(x, xs, K, w, row, Q8_0, n0, NRC, m0, MRC, res); break;                    \
+        case Q4_0: tile(x, xs, K, w, row, Q4_0, n0, NRC, m0, MRC, res, pf); break;                  \
+        case Q4_1: tile(x, xs, K, w, row, Q4_1, n0, NRC, m0, MRC, res, pf); break;                  \
+        case Q5_0: tile(x, xs, K, w, row, Q5_0, n0, NRC, m0, MRC, res, pf); break;                  \
+        case Q5_1: tile(x, xs, K, w, row, Q5_1, n0, NRC, m0, MRC, res, pf); break;                  \
+        case Q4_K: tile_k(x, xs, K, w, row, Q4_K, n0, NRC, m0, MRC, res, pf); break;                \
+        case Q5_K: tile_k(x, xs, K, w, row, Q5_K, n0, NRC, m0, MRC, res, pf); break;                \
+        case Q6_K: tile_k(x, xs, K, w, row, Q6_K, n0, NRC, m0, MRC, res, pf); break;                \
+        default: tile(x, xs, K, w, row, Q8_0, n0, NRC, m0, MRC, res, pf); break;                    \
         }                                                                                       \
     } while (0)
     if (nr == NR && mr == MR) TILE_Q(NR, MR);
@@ -301,10 +305,14 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
     for (int64_t grp = 0; grp < groups; grp++) {
         const int64_t n0 = grp * NR;
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        prefetch_group_ahead(w, grp, groups, NR * row, N * row);  /* each thread in order */
+        /* each thread reads its groups in order; the first tile of a group asks for a later one */
+        SpreadPrefetch ahead = spread_ahead(w, grp, groups, NR * row, N * row,
+                                            is_k_quant(qtype) ? nb / 2 : nb);
+        SpreadPrefetch *pf = &ahead;
         int64_t m0 = 0;
-        for (; m0 + MR <= M; m0 += MR) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, MR, bias, out, N);
-        for (; m0 < M; m0++) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, 1, bias, out, N);
+        for (; m0 + MR <= M; m0 += MR, pf = NULL)
+            tile_out(x, xs, K, w, row, qtype, n0, nr, m0, MR, bias, out, N, pf);
+        for (; m0 < M; m0++, pf = NULL) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, 1, bias, out, N, pf);
     }
     free(xs);
 #else

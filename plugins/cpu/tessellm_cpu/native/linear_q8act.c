@@ -51,7 +51,8 @@ INLINE __m512i pair_lanes(int j, int interleave) {
  * output the operations and their order are those of mr = 1, so the result does not depend
  * on how rows are tiled. */
 INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
-                    int64_t n0, int nr, float *res) {
+                    int64_t n0, int nr, float *res,
+                    SpreadPrefetch *pf) {
     const int64_t bb = block_bytes(qtype);
     const int64_t qoff = qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 8;
     const int five = qtype == Q5_0 || qtype == Q5_1;
@@ -72,6 +73,7 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
         }
         for (int64_t p = 0; p < ng; p += 2) {
+            spread_step(pf);
             const __m512i lanes = pair_lanes((int)(p / 2), !five);
             const int has_b = p + 1 < ng;
             __m512i xv[MR];
@@ -117,7 +119,8 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
 /* As q4_tile for Q8_0 weights. Signed x signed through u8 x s8: |w| times x with w's sign
  * moved onto x. */
 INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
-                    int64_t n0, int nr, float *res) {
+                    int64_t n0, int nr, float *res,
+                    SpreadPrefetch *pf) {
     const int64_t bb = 34;
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
@@ -130,6 +133,7 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
         for (int r = 0; r < nr; r++) d[r] = half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm));
         for (int64_t p = 0; p < ng; p += 2) {
+            spread_step(pf);
             const __m512i lanes = pair_lanes((int)(p / 2), 0);
             const int has_b = p + 1 < ng;
             __m512i xv[MR];
@@ -165,7 +169,8 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
  * o_c dx sum(xq)); pair p of a super-block is the low (block 2p) and high (2p + 1) nibbles of
  * the same 32 bytes, plus for Q5_K bits 2p and 2p + 1 of qh as the fifth bits. */
 INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
-                    int64_t n0, int nr, float *res) {
+                    int64_t n0, int nr, float *res,
+                    SpreadPrefetch *pf) {
     const int64_t sbb = block_bytes(qtype);
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
@@ -186,6 +191,7 @@ INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 acc[r][i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
         }
         for (int64_t j = 0; j < ng / 2; j++) {
+            spread_step(pf);
             const __m512i lanes = pair_lanes((int)j, 0);
             const int64_t sb = g / 8 + j / 4;
             const int p = (int)(j % 4);
@@ -226,7 +232,8 @@ INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
  * moved onto x), and each 16 weights have their own d sc: the dot product's lanes of pair p
  * (4 lanes = 16 weights) take d sc[4p .. 4p + 3] times their block's dx. */
 INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
-                     int64_t n0, int nr, float *res) {
+                     int64_t n0, int nr, float *res,
+                     SpreadPrefetch *pf) {
     const int64_t sbb = block_bytes(Q6_K);
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
@@ -242,6 +249,7 @@ INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64
             dsc[r] = _mm512_loadu_ps(ds);
         }
         for (int p = 0; p < 4; p++) {
+            spread_step(pf);
             const __m512i lanes = pair_lanes(p, 0);
             const __m512i groups = _mm512_srli_epi32(
                 _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -286,14 +294,14 @@ INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64
 /* Rows i0 .. i0 + mr - 1 of x against weight rows n0 .. n0 + nr - 1, into out (+ bias). */
 INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uint8_t *w,
                      int64_t row, int qtype, int64_t n0, int nr, const float *bias, float *out,
-                     int64_t N) {
+                     int64_t N, SpreadPrefetch *pf) {
     float res[NR * MR];
     switch (qtype) {
-    case Q8_0: q8_tile(rows + i0, mr, nb, w, row, n0, nr, res); break;
-    case Q4_K: kq_tile(rows + i0, mr, nb, w, row, Q4_K, n0, nr, res); break;
-    case Q5_K: kq_tile(rows + i0, mr, nb, w, row, Q5_K, n0, nr, res); break;
-    case Q6_K: q6k_tile(rows + i0, mr, nb, w, row, n0, nr, res); break;
-    default: q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res); break;
+    case Q8_0: q8_tile(rows + i0, mr, nb, w, row, n0, nr, res, pf); break;
+    case Q4_K: kq_tile(rows + i0, mr, nb, w, row, Q4_K, n0, nr, res, pf); break;
+    case Q5_K: kq_tile(rows + i0, mr, nb, w, row, Q5_K, n0, nr, res, pf); break;
+    case Q6_K: q6k_tile(rows + i0, mr, nb, w, row, n0, nr, res, pf); break;
+    default: q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res, pf); break;
     }
     for (int i = 0; i < mr; i++)
         for (int r = 0; r < nr; r++)
@@ -319,11 +327,13 @@ int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int
     for (int64_t grp = 0; grp < groups; grp++) {
         const int64_t n0 = grp * NR;
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
-        /* each thread reads its groups in order (SmolLM2 Q4_1 decode: ~+10% tokens/s) */
-        prefetch_group_ahead(w, grp, groups, NR * row, N * row);
+        /* each thread reads its groups in order; the first tile of a group asks for a later one */
+        SpreadPrefetch ahead = spread_ahead(w, grp, groups, NR * row, N * row, (nb + 1) / 2);
+        SpreadPrefetch *pf = &ahead;
         int64_t i = 0;
-        for (; i + MR <= M; i += MR) tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, bias, out, N);
-        for (; i < M; i++) tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N);
+        for (; i + MR <= M; i += MR, pf = NULL)
+            tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, bias, out, N, pf);
+        for (; i < M; i++, pf = NULL) tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N, pf);
     }
     q8_rows_free(&q);
     return 0;
