@@ -151,7 +151,7 @@ int linear_q8act_amx_f32(const float *x, int64_t M, int64_t K, const uint8_t *w,
         return ERR_SHAPE;
     if (M == 0 || N == 0) return OK;
     if (amx_request_tiles() != OK) return ERR_UNAVAILABLE;
-    const int64_t nb = K / QK, nb2 = round_up(nb, 2);
+    const int64_t nb = K / QK;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
     const int64_t padded = round_up(M, ROWS);
     Q8Rows q;
