@@ -83,3 +83,9 @@ from tessellm.kernels.op_coverage import OPTIONAL_OPS, REQUIRED_OPS  # noqa: E40
 
 __all__ += ["DeviceUnavailableError", "ExecutionPlan", "KV_CACHE_FEED", "KernelError",
             "OPTIONAL_OPS", "REQUIRED_OPS", "STEP_FEEDS"]
+
+# 1.7: recording a plan as it runs (ExecutionPlan.trace, kernel_generation) and profiling a
+# compiled one
+from tessellm.graph.plan import Instruction, PlanProfileSink, PlanTracer  # noqa: E402
+
+__all__ += ["Instruction", "PlanProfileSink", "PlanTracer"]

@@ -44,7 +44,10 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # ExecutionPlan and the feed names of a step (STEP_FEEDS, KV_CACHE_FEED) that `compile` gets;
 # REQUIRED_OPS / OPTIONAL_OPS (the ops a device must / may cover); DeviceAllocator.reserve
 # (count bytes held elsewhere) and subclasses override public hooks only (raw_empty).
-API_VERSION = "1.6"
+# 1.7 (additive): a plan can be recorded as it runs (ExecutionPlan.trace with a PlanTracer,
+# Instruction, ExecutionPlan.kernel_generation) and a compiled plan profiled (its
+# `profile_sink`, a PlanProfileSink): what the CPU plugin's native decode programs use.
+API_VERSION = "1.7"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_OK, NativeDecode
+from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_OK, DecodeArgs, NativeDecode
 
 from tessellm.kernels.examples import pad_block_tables, paged_attention_case
 from tessellm.kernels.reference import paged_attention
@@ -170,17 +170,19 @@ def test_failed_scratch_allocation_keeps_the_kernel_usable(native: NativeDecode)
     """Scratch sized past what can be allocated (2**62 query heads over one KV head): the
     kernel returns PD_ERR_ALLOC before its OpenMP region, and the next call runs normally."""
     q, cache, meta, scale = _case([5, 40], 16, 64, torch.float32)
-    fn = native._fns[torch.float32]
+    run = native._entries[torch.float32].run
     tables = meta.block_tables.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     info = (ctypes.c_int64 * 2)(-1, -1)
-    rc = fn(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
-            meta.seq_lens.data_ptr(), out.data_ptr(), 1, 2 ** 62, 1, 64, 16, cache.shape[1],
-            scale, ctypes.addressof(info))
+
+    def args(batch: int, heads: int, kv_heads: int) -> DecodeArgs:
+        return DecodeArgs(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                          tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), batch,
+                          heads, kv_heads, 64, 16, cache.shape[1], scale, 0,
+                          ctypes.addressof(info), 0)
+    rc = run(ctypes.byref(args(1, 2 ** 62, 1)))
     assert rc == PD_ERR_ALLOC
-    rc = fn(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
-            meta.seq_lens.data_ptr(), out.data_ptr(), 2, NUM_HEADS, NUM_KV_HEADS, 64, 16,
-            cache.shape[1], scale, ctypes.addressof(info))
+    rc = run(ctypes.byref(args(2, NUM_HEADS, NUM_KV_HEADS)))
     assert rc == PD_OK
     torch.testing.assert_close(out, paged_attention(q, cache, meta, scale),
                                **TOL[torch.float32])

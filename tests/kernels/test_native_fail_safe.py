@@ -314,7 +314,7 @@ def test_concurrent_builds_in_threads_are_atomic(cache_dir: Path) -> None:
         built = list(pool.map(lambda _: native_build.build_library(DECODE_SOURCE), range(4)))
     assert len({b.path for b in built}) == 1
     for b in built:
-        assert b.lib.paged_decode_f32 is not None
+        assert b.lib.paged_decode_f32_team is not None
     native = cache_dir / "native"
     assert [p.name for p in native.iterdir()] == [built[0].path.name]
 

@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_ERR_QUERY, PD_OK, NativePrefill
+from tessellm_cpu.native_attention import PD_ERR_ALLOC, PD_ERR_QUERY, PD_OK, NativePrefill, PrefillArgs
 
 from tessellm.kernels.examples import (fill_unowned_slots, make_attention_metadata,
                                        pad_block_tables, paged_attention_case)
@@ -120,14 +120,14 @@ def test_rows_no_sequence_owns_are_refused(native: NativePrefill) -> None:
     """No sequences but rows of q, the offsets [5] ending at them: every row would be
     without a sequence; the C side refuses before reading any."""
     q, cache, meta, scale = _case([5], [5], 16, 64, torch.float32)
-    fn = native._fns[torch.float32]
+    run = native._entries[torch.float32].run
     tables = meta.block_tables.to(torch.int32).contiguous()
     starts = torch.tensor([5], dtype=torch.int32)
     info = (ctypes.c_int64 * 2)(-1, -1)
-    rc = fn(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            tables.shape[1], meta.seq_lens.data_ptr(), starts.data_ptr(),
-            torch.empty_like(q).data_ptr(), 0, 5, 8, 2, 64, 16, cache.shape[1], scale,
-            ctypes.addressof(info))
+    rc = run(ctypes.byref(PrefillArgs(
+        q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1],
+        meta.seq_lens.data_ptr(), starts.data_ptr(), torch.empty_like(q).data_ptr(), 0, 5, 8,
+        2, 64, 16, cache.shape[1], scale, 0, ctypes.addressof(info), 0)))
     assert rc == PD_ERR_QUERY
 
 
@@ -135,17 +135,20 @@ def test_failed_scratch_allocation_keeps_the_kernel_usable(native: NativePrefill
     """Scratch sized past what can be allocated (2**62 query heads over one KV head): the
     kernel returns PD_ERR_ALLOC before its OpenMP region, and the next call runs normally."""
     q, cache, meta, scale = _case([5, 9], [5, 40], 16, 64, torch.float32)
-    fn = native._fns[torch.float32]
+    run = native._entries[torch.float32].run
     tables = meta.block_tables.to(torch.int32).contiguous()
     starts = meta.query_start_loc.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     info = (ctypes.c_int64 * 2)(-1, -1)
-    args = (q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-            tables.shape[1], meta.seq_lens.data_ptr(), starts.data_ptr(), out.data_ptr(), 2,
-            q.shape[0])
-    rc = fn(*args, 2 ** 62, 1, 64, 16, cache.shape[1], scale, ctypes.addressof(info))
+
+    def args(heads: int, kv_heads: int) -> PrefillArgs:
+        return PrefillArgs(q.data_ptr(), cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                           tables.shape[1], meta.seq_lens.data_ptr(), starts.data_ptr(),
+                           out.data_ptr(), 2, q.shape[0], heads, kv_heads, 64, 16,
+                           cache.shape[1], scale, 0, ctypes.addressof(info), 0)
+    rc = run(ctypes.byref(args(2 ** 62, 1)))
     assert rc == PD_ERR_ALLOC
-    rc = fn(*args, 8, 2, 64, 16, cache.shape[1], scale, ctypes.addressof(info))
+    rc = run(ctypes.byref(args(8, 2)))
     assert rc == PD_OK
     torch.testing.assert_close(out, paged_attention(q, cache, meta, scale),
                                **TOL[torch.float32])

@@ -212,8 +212,10 @@ def test_portable_build_without_avx512_compiles_loads_and_agrees(tmp_path) -> No
     assert torch.equal(out, x.argmax(-1))
     y = torch.randn(3, 40)
     got = torch.empty(3, 20)
-    lib.silu_and_mul_f32.argtypes = [p, i64, i64, i64, p]
-    assert lib.silu_and_mul_f32(y.data_ptr(), 40, 3, 20, got.data_ptr()) == 0
+    from tessellm_cpu.native_token_ops import SiluAndMulArgs
+    lib.silu_and_mul_f32_run.argtypes = [p]
+    args = SiluAndMulArgs(y.data_ptr(), 40, 3, 20, got.data_ptr())
+    assert lib.silu_and_mul_f32_run(ctypes.byref(args)) == 0
     _close(got, ref.silu_and_mul(y))
     for dtype, fn in ((torch.float32, lib.apply_token_bitmask_f32),
                       (torch.bfloat16, lib.apply_token_bitmask_bf16)):

@@ -15,8 +15,8 @@ from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP
 from tessellm.plugins import PluginManager
 
 
-def test_every_exported_name_exists_and_the_version_is_1_6() -> None:
-    assert API_VERSION == "1.6" and api.API_VERSION == API_VERSION
+def test_every_exported_name_exists_and_the_version_is_1_7() -> None:
+    assert API_VERSION == "1.7" and api.API_VERSION == API_VERSION
     missing = [name for name in api.__all__ if not hasattr(api, name)]
     assert missing == []
     hook_needs = {"DevicePlugin", "Kernel", "KernelQuery", "Architecture", "ModelSpec",
@@ -24,7 +24,8 @@ def test_every_exported_name_exists_and_the_version_is_1_6() -> None:
                   "adapt_llama_weights", "adapt_gpt2_weights", "ModelGraph", "GraphBuilder",
                   "GraphPass", "graph_ops", "linear_call", "linear_dims", "hookimpl",
                   "ExecutionPlan", "STEP_FEEDS", "KV_CACHE_FEED", "REQUIRED_OPS",
-                  "OPTIONAL_OPS", "DeviceUnavailableError", "KernelError"}
+                  "OPTIONAL_OPS", "DeviceUnavailableError", "KernelError", "Instruction",
+                  "PlanTracer", "PlanProfileSink"}
     assert hook_needs <= set(api.__all__)
     assert api.builtin_architecture_names() >= {"LlamaForCausalLM", "GPT2LMHeadModel"}
 

@@ -19,7 +19,7 @@ from tessellm.graph.lowering import lower
 from tessellm.graph.passes import GraphPass, PassReport, default_passes, run_passes
 from tessellm.engine.memory_profile import profile_forward
 from tessellm.graph.plan import ExecutionPlan
-from tessellm.kernels.profiler import KernelSelector, ProfileCache
+from tessellm.kernels.profiler import KernelSelector, ProfileCache, token_bucket
 from tessellm.kernels.registry import KernelRegistry
 from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
@@ -121,11 +121,13 @@ def make_selector(config: EngineConfig, registry: KernelRegistry,
                   device: DevicePlugin) -> KernelSelector:
     identity = (f"{device.name}-{device.version}|torch={torch.__version__}"
                 f"|tessellm={tessellm.__version__}|{platform.machine()}|threads={torch.get_num_threads()}")
+    replayed = frozenset() if config.enforce_eager else frozenset(
+        token_bucket(s) for s in device.decode_graph_sizes(config.max_num_seqs))
     return KernelSelector(
         registry, device.name, device.torch_device_type, device.synchronize,
         policy=config.kernel_selection,
         cache=ProfileCache(cache_root(config.cache_dir) / "kernel_profile.json"),
-        identity=identity)
+        identity=identity, replayed_buckets=replayed)
 
 
 def kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,

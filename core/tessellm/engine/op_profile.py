@@ -5,8 +5,12 @@ prefill sites included) and every structural instruction is wrapped in a timer t
 synchronizes the device before and after the call, so each op's time is its own even on an
 asynchronous device; stage times come from the engine's StageTimes. The wrapping perturbs
 what it measures (one timer and two synchronizations per op), so benchmarks time their runs
-without it and profile a separate run. Steps that run a compiled form of the plan (CUDA graph
-replays) call no op and so are not attributed; XLA steps attribute tracing, not execution.
+without it and profile a separate run. A compiled form of the plan that reports its own time
+(a `profile_sink` attribute: the CPU plugin's native decode programs) is handed this profile
+as its PlanProfileSink: it adds its kernels' time per op and its host time around them
+(crossings into native code, barriers between kernels, Python nodes), reported under
+"host_ms_per_step". Other compiled forms (CUDA graph replays) call no op and are not
+attributed; XLA steps attribute tracing, not execution.
 """
 from __future__ import annotations
 
@@ -46,7 +50,16 @@ class OpProfile:
         self.synchronize = engine.parts.device.synchronize
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
+        self.host_seconds: dict[str, float] = defaultdict(float)
         self._restore: list[Callable[[], None]] = []
+
+    # PlanProfileSink: what a compiled plan reports
+    def kernel(self, kind: str, seconds: float, calls: int = 1) -> None:
+        self.seconds[kind] += seconds
+        self.calls[kind] += calls
+
+    def host(self, kind: str, seconds: float) -> None:
+        self.host_seconds[kind] += seconds
 
     def _wrap_attr(self, owner: Any, attr: str, kind: str) -> None:
         fn = getattr(owner, attr)
@@ -62,6 +75,10 @@ class OpProfile:
             else:
                 kind = ins.fn.op if isinstance(ins.fn, KernelSite) else STRUCTURAL
                 self._wrap_attr(ins, "fn", kind)
+        for compiled in self.engine.runner.shapes.compiled():
+            if hasattr(compiled, "profile_sink"):
+                compiled.profile_sink = self
+                self._restore.append(lambda c=compiled: setattr(c, "profile_sink", None))
         self._stages0 = self.engine.stage_times.snapshot()
         self._steps0 = self.engine.stats.num_steps
         return self
@@ -84,4 +101,9 @@ class OpProfile:
                       "share": round(s / total, 3)}
                for kind, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}
         stages = {k: round(v / steps * 1e3, 3) for k, v in self.stages.items()}
-        return {"steps": self.steps, "ops": ops, "stages_ms_per_step": stages}
+        report = {"steps": self.steps, "ops": ops, "stages_ms_per_step": stages}
+        if self.host_seconds:
+            report["host_ms_per_step"] = {k: round(v / steps * 1e3, 3)
+                                          for k, v in sorted(self.host_seconds.items(),
+                                                             key=lambda kv: -kv[1])}
+        return report

@@ -58,6 +58,10 @@ class StepShapes:
             self._compiled[pad.key] = compiled
         return compiled
 
+    def compiled(self) -> list[Any]:
+        """The compiled plans made so far, one per padded shape."""
+        return list(self._compiled.values())
+
     def all_paddings(self) -> list[StepPadding]:
         """Every padded shape the device declares (decode graphs largest first)."""
         if self.static_shapes is not None:

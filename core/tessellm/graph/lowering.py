@@ -17,7 +17,7 @@ from tessellm.device import Communicator
 from tessellm.errors import KernelError
 from tessellm.graph import ops
 from tessellm.graph.ir import ModelGraph
-from tessellm.graph.plan import ExecutionPlan, Instruction, Slot
+from tessellm.graph.plan import BindingClock, ExecutionPlan, Instruction, Slot
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.profiler import KernelSelector, token_bucket
 from tessellm.kernels.registry import Kernel, KernelQuery, WeightLayout
@@ -30,13 +30,14 @@ class KernelSite:
     prepared once at the first call that needs it; after adopt_weight_layouts the plan no
     longer holds the plain weight and argument 1 arrives as None."""
 
-    __slots__ = ("op", "dtype", "dims", "selector", "per_sequence", "_by_bucket", "_kernels",
-                 "_prepared", "_last_rows", "_last_fn")
+    __slots__ = ("op", "dtype", "dims", "selector", "per_sequence", "clock", "_by_bucket",
+                 "_kernels", "_prepared", "_last_rows", "_last_fn")
 
     def __init__(self, op: str, dtype: torch.dtype, dims: tuple, selector: KernelSelector,
-                 per_sequence: bool = False) -> None:
+                 per_sequence: bool = False, clock: BindingClock | None = None) -> None:
         self.op, self.dtype, self.dims, self.selector = op, dtype, dims, selector
         self.per_sequence = per_sequence  # rows are sampled sequences (the LM head), not tokens
+        self.clock = clock or BindingClock()   # the plan's: ticked at every binding
         self._by_bucket: dict[int, Any] = {}
         self._kernels: dict[int, Kernel] = {}
         self._prepared: dict[str, Any] = {}
@@ -51,6 +52,8 @@ class KernelSite:
 
     def _bind(self, bucket: int, kernel: Kernel | None = None):
         self._last_rows = -1
+        if bucket in self._kernels:   # a choice changes (a first binding changes nothing run)
+            self.clock.tick()
         kernel = self._kernels[bucket] = kernel or self.selector.select(
             KernelQuery(self.op, self.dtype, bucket, self.dims))
         layout = kernel.weight_layout
@@ -154,11 +157,12 @@ class AttentionSite:
 
     __slots__ = ("write", "decode", "prefill", "_meta", "_parts")
 
-    def __init__(self, dtype: torch.dtype, dims: tuple, selector: KernelSelector) -> None:
+    def __init__(self, dtype: torch.dtype, dims: tuple, selector: KernelSelector,
+                 clock: BindingClock | None = None) -> None:
         kv_dims = tuple((k, v) for k, v in dims if k != "num_heads")
-        self.write = KernelSite("write_kv_cache", dtype, kv_dims, selector)
-        self.decode = KernelSite("attention_decode", dtype, dims, selector)
-        self.prefill = KernelSite("attention_prefill", dtype, dims, selector)
+        self.write = KernelSite("write_kv_cache", dtype, kv_dims, selector, clock=clock)
+        self.decode = KernelSite("attention_decode", dtype, dims, selector, clock=clock)
+        self.prefill = KernelSite("attention_prefill", dtype, dims, selector, clock=clock)
         self._meta: AttentionMetadata | None = None
         self._parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
@@ -247,7 +251,7 @@ class CollectiveSite:
 
 
 def _bind(node: fx.Node, dtype: torch.dtype, selector: KernelSelector,
-          comm: Communicator | None):
+          comm: Communicator | None, clock: BindingClock):
     if node.target in ops.COLLECTIVE_OPS:
         if comm is None:
             raise KernelError(f"{node.format_node()}: a sharded graph needs the tensor-parallel "
@@ -255,10 +259,10 @@ def _bind(node: fx.Node, dtype: torch.dtype, selector: KernelSelector,
         return CollectiveSite(node.target, comm)
     name = ops.op_name(node.target)
     if name == "attention":
-        return AttentionSite(dtype, node.meta["dims"], selector)
+        return AttentionSite(dtype, node.meta["dims"], selector, clock)
     if name is not None:
         return KernelSite(name, dtype, node.meta["dims"], selector,
-                          per_sequence=node.meta.get("role") == "lm_head")
+                          per_sequence=node.meta.get("role") == "lm_head", clock=clock)
     if node.target is operator.getitem or node.target in ops.STRUCTURAL_OPS:
         return node.target
     raise KernelError(f"cannot lower node {node.format_node()}: unknown target")
@@ -271,6 +275,7 @@ def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype,
     inputs: dict[str, int] = {}
     constants: dict[int, Any] = {}
     pending: list[tuple[fx.Node, Any]] = []
+    clock = BindingClock()
     output = -1
     for node in mg.graph.nodes:
         if node.op == "output":
@@ -282,7 +287,7 @@ def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype,
         elif node.op == "get_attr":
             constants[slot_of[node]] = mg.weights[node.target]
         elif node.op == "call_function":
-            pending.append((node, _bind(node, dtype, selector, comm)))
+            pending.append((node, _bind(node, dtype, selector, comm, clock)))
         else:
             raise KernelError(f"cannot lower node kind {node.op!r}")
     last_use: dict[int, int] = {}
@@ -304,4 +309,4 @@ def lower(mg: ModelGraph, selector: KernelSelector, dtype: torch.dtype,
             raise KernelError(f"nested node arguments are not supported: {node.format_node()}")
         instructions.append(Instruction(fn, args, slot_of[node], tuple(release.get(idx, ())),
                                         node.format_node()))
-    return ExecutionPlan(instructions, len(slot_of), inputs, constants, output)
+    return ExecutionPlan(instructions, len(slot_of), inputs, constants, output, clock)

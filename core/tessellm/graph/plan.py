@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 # What every step feeds a plan's `run` (and a plan `DevicePlugin.compile` returns): token ids
 # [T] int64, positions [T] int64, the AttentionMetadata, the rows whose logits are returned
@@ -32,14 +32,53 @@ class Instruction:
     label: str
 
 
+class BindingClock:
+    """Counts kernel rebindings: every kernel site of a plan ticks it when it changes the
+    kernel of a bucket it had bound, so anything compiled from the plan (a device's native
+    program) can tell that a choice it recorded may have changed."""
+
+    __slots__ = ("ticks",)
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    def tick(self) -> None:
+        self.ticks += 1
+
+
+class PlanTracer(Protocol):
+    """What `ExecutionPlan.trace` runs a plan through (a device recording it)."""
+
+    def call(self, ins: Instruction, args: tuple[Any, ...]) -> Any:
+        """Run `ins` on `args` (normally `ins.fn(*args)`); its result is stored."""
+
+    def released(self, value: Any) -> None:
+        """`value` (an instruction's result) has had its last reader."""
+
+
+class PlanProfileSink(Protocol):
+    """Where a compiled plan reports its time while profiled (`tessellm bench ... --profile`):
+    a compiled plan with a `profile_sink` attribute (None normally) adds each run's time to
+    the sink set there."""
+
+    def kernel(self, kind: str, seconds: float, calls: int = 1) -> None:
+        """Time spent in kernels of op `kind`."""
+
+    def host(self, kind: str, seconds: float) -> None:
+        """Time spent around the kernels: crossings into native code, barriers between
+        kernels, Python nodes (`kind` says which)."""
+
+
 class ExecutionPlan:
     """Instruction arguments that are not slots (eps, scales, dims) get slots of their own past
     `num_slots`, filled at every run, so each instruction fetches its arguments with one
     precomputed getter (the plan's per-op host cost is part of every decode step)."""
 
     def __init__(self, instructions: list[Instruction], num_slots: int,
-                 inputs: dict[str, int], constants: dict[int, Any], output: int) -> None:
+                 inputs: dict[str, int], constants: dict[int, Any], output: int,
+                 clock: BindingClock | None = None) -> None:
         self.instructions = instructions
+        self.clock = clock or BindingClock()
         self.num_slots = num_slots
         self.inputs = inputs
         self.constants = constants
@@ -60,7 +99,14 @@ class ExecutionPlan:
             return operator.itemgetter(slice(idx[0], idx[0] + 1))
         return operator.itemgetter(*idx) if idx else operator.itemgetter(slice(0, 0))
 
-    def run(self, feeds: dict[str, Any]) -> Any:
+    @property
+    def kernel_generation(self) -> int:
+        """Changes whenever a kernel site of the plan changes the kernel of a bucket it had
+        bound (a choice overridden, a weight layout unified); a bucket's first binding leaves
+        it as it is."""
+        return self.clock.ticks
+
+    def _env(self, feeds: dict[str, Any]) -> list[Any]:
         env: list[Any] = [None] * (self.num_slots + len(self._literals))
         for i, v in self.constants.items():
             env[i] = v
@@ -68,9 +114,25 @@ class ExecutionPlan:
             env[i] = v
         for name, i in self.inputs.items():
             env[i] = feeds[name]
+        return env
+
+    def run(self, feeds: dict[str, Any]) -> Any:
+        env = self._env(feeds)
         for ins, get in zip(self.instructions, self._getters):
             env[ins.out] = ins.fn(*get(env))
             for r in ins.release:
+                env[r] = None
+        return env[self.output]
+
+    def trace(self, feeds: dict[str, Any], tracer: PlanTracer) -> Any:
+        """`run`, with each instruction called through `tracer.call` and each result handed
+        to `tracer.released` right after its last reader (the plan's buffer liveness), so a
+        device can record the plan as it runs (DevicePlugin.compile)."""
+        env = self._env(feeds)
+        for ins, get in zip(self.instructions, self._getters):
+            env[ins.out] = tracer.call(ins, get(env))
+            for r in ins.release:
+                tracer.released(env[r])
                 env[r] = None
         return env[self.output]
 

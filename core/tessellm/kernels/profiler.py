@@ -16,6 +16,13 @@ rankings are cached in memory and on disk, keyed by device, library versions, th
 (each name with a hash of its code, so an edited kernel is checked again) and the query, so a
 restart does not re-profile. A cache file that cannot be written leaves the decisions in
 memory only (a warning), never a failed step.
+
+Replayed buckets: where the device runs a bucket's decode steps as a compiled replay (the
+CPU plugin's native programs), a kernel's per-call host work (argument checks, allocation,
+the crossing into native code) is paid once at recording, not per step. A kernel function
+that offers `replay_timer(*args)` (returning a callable that runs the call as a replay runs
+it, or None) is timed through it in those buckets; the others are timed as called, which is
+how a replay runs them too (as Python nodes). Such decisions are cached apart.
 """
 from __future__ import annotations
 
@@ -120,7 +127,8 @@ class KernelSelector:
                  synchronize: Callable[[], None], policy: str | Mapping[str, str] = "profile",
                  cache: ProfileCache | None = None, identity: str = "",
                  min_time_s: float = 0.005, max_reps: int = 50,
-                 flush_bytes: int = 8 << 20) -> None:
+                 flush_bytes: int = 8 << 20,
+                 replayed_buckets: frozenset[int] = frozenset()) -> None:
         if isinstance(policy, str) and policy not in ("profile", "first"):
             raise ConfigError(f"kernel_selection must be 'profile', 'first' or a mapping "
                               f"op -> kernel name, got {policy!r}")
@@ -134,6 +142,7 @@ class KernelSelector:
         self.min_time_s = min_time_s
         self.max_reps = max_reps
         self.flush_bytes = flush_bytes
+        self.replayed_buckets = replayed_buckets   # token buckets run as compiled replays
         self._scratch: torch.Tensor | None = None
         self._chosen: dict[KernelQuery, Kernel] = {}
         self.profiled = 0   # queries measured (not found in the cache) so far
@@ -211,8 +220,14 @@ class KernelSelector:
         """Device, identity, query and each candidate as name@code-hash: a kernel whose code
         changed under the same name (an edited plugin, a rebuilt C kernel) is profiled again."""
         names = ",".join(f"{k.name}@{kernel_code_hash(k)}" for k in candidates)
+        replay = "|replay" if self._replayed(query, candidates) else ""
         return (f"{self.device_name}|{self.identity}|flush={self.flush_bytes}|"
-                f"{query.bucket_key}|[{names}]")
+                f"{query.bucket_key}{replay}|[{names}]")
+
+    def _replayed(self, query: KernelQuery, candidates: list[Kernel]) -> bool:
+        """Whether `query`'s candidates are timed as a replay runs them (module docstring)."""
+        return query.num_tokens in self.replayed_buckets and any(
+            hasattr(k.fn, "replay_timer") for k in candidates)
 
     def decide(self, query: KernelQuery, candidates: list[Kernel] | None = None) -> Decision:
         """The profiled decision for a query (from cache, or measured now)."""
@@ -237,7 +252,7 @@ class KernelSelector:
             raise KernelError(f"every kernel for {query.bucket_key} on {self.device_name!r} "
                               f"disagrees with the reference: "
                               + "; ".join(f"{c.name}: {c.error}" for c in rejected))
-        fns = {k.name: k.fn for k in candidates}
+        calls = self._timed_calls(query, candidates, timed)
         samples: dict[str, list[float]] = {c.name: [] for c, _ in timed}
         deadline = time.perf_counter() + self.min_time_s * len(timed)
         # Interleaved rounds: interference from other processes hits every candidate alike;
@@ -257,7 +272,7 @@ class KernelSelector:
                     self._flush_caches()
                     self.synchronize()
                     t0 = time.perf_counter()
-                    fns[c.name](*k_args)
+                    calls[c.name]()
                     self.synchronize()
                 except Exception as e:  # crashed while timed: reported, never chosen
                     c.correct, c.error = False, f"{type(e).__name__} while timed: {e}"
@@ -271,6 +286,25 @@ class KernelSelector:
                               "failed: " + "; ".join(f"{c.name}: {c.error}" for c, _ in timed))
         ranking = survivors + [c for c, _ in timed if not c.correct] + rejected
         return Decision(ranking[0].name, ranking)
+
+    def _timed_calls(self, query: KernelQuery, candidates: list[Kernel],
+                     timed: list[tuple[Candidate, list[Any]]]) -> dict[str, Callable[[], Any]]:
+        """Per correct candidate, the call to time: through its replay_timer in a replayed
+        bucket (when it offers one and it accepts the arguments), else the call itself."""
+        fns = {k.name: k.fn for k in candidates}
+        replay = self._replayed(query, candidates)
+        calls: dict[str, Callable[[], Any]] = {}
+        for c, k_args in timed:
+            fn = fns[c.name]
+            timer = getattr(fn, "replay_timer", None) if replay else None
+            call = None
+            if timer is not None:
+                try:
+                    call = timer(*k_args)
+                except Exception as e:  # a kernel that cannot replay is timed as called
+                    log.debug("%s: no replay timer for %s: %s", c.name, query.bucket_key, e)
+            calls[c.name] = call or (lambda fn=fn, a=k_args: fn(*a))
+        return calls
 
     def _flush_caches(self) -> None:
         """Write the scratch buffer (see the module docstring); nothing when flush_bytes=0."""

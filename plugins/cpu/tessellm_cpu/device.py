@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import torch
 
+from typing import Any
+
+from tessellm_cpu.decode_programs import DecodePrograms
 from tessellm_cpu.host_memory import LazyHostMemory
 
 from tessellm.plugin_api import (
     Availability,
+    DecodeGraphShape,
     DeviceAllocator,
     DevicePlugin,
     Kernel,
@@ -44,6 +48,7 @@ class CpuDevice(DevicePlugin):
     def __init__(self) -> None:
         self._allocator: DeviceAllocator | None = None
         self._not_offered: dict[str, str] = {}
+        self._programs = DecodePrograms()
 
     def is_available(self) -> Availability:
         return Availability(True, "")
@@ -66,9 +71,24 @@ class CpuDevice(DevicePlugin):
     def kernels(self) -> list[Kernel]:
         from tessellm_cpu.kernels import cpu_kernels
         not_offered: dict[str, str] = {}
-        kernels = cpu_kernels(self.name, not_offered)
+        kernels = cpu_kernels(self.name, not_offered, self._programs.recorder)
+        why = self._programs.build()
+        if why:
+            not_offered["native_program"] = why
         self._not_offered = not_offered
         return kernels
+
+    def decode_graph_sizes(self, max_num_seqs: int) -> list[int]:
+        """Decode steps of these batch sizes run as native programs (one C call a step,
+        tessellm_cpu.native_program); none where the program runner cannot be built."""
+        return self._programs.batch_sizes(max_num_seqs)
+
+    def compile(self, plan: Any, shape_key: Any) -> Any:
+        """A native program for a DecodeGraphShape (recorded on its first step); other
+        shapes run the plan eagerly."""
+        if not isinstance(shape_key, DecodeGraphShape):
+            return plan
+        return self._programs.program(plan)
 
     def kernels_not_offered(self) -> dict[str, str]:
         """Kernel name -> why the last `kernels()` did not offer it (a native kernel that

@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 
 import logging
+from typing import Any
 
 from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable, reference
 from tessellm_cpu import attention
 from tessellm_cpu.native_build import NativeBuildError
+from tessellm_cpu.native_team import TeamKernelC
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,8 @@ def onednn_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
                    weight_layout=WeightLayout("onednn_blocked", onednn_prepack))]
 
 
-def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
+def native_kernels(device: str, not_offered: dict[str, str] | None = None,
+                   recorder: Any = None) -> list[Kernel]:
     """The C kernels this machine can build and load. One that cannot (no compiler, an
     unusable cache directory, a timeout, a corrupt object, ...) is not offered: a warning
     says why, and so does `not_offered` (kernel name -> reason), which the CPU device reports
@@ -86,8 +89,9 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
     from tessellm_cpu.native_attention import NativeDecode, NativePrefill
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
-    from tessellm_cpu.native_token_ops import (NativeFusedAddRmsNorm, NativeGreedy, NativeRmsNorm,
-                                               NativeRotary, NativeSiluAndMul, NativeTokenBitmask,
+    from tessellm_cpu.native_token_ops import (NativeEmbedding, NativeFusedAddRmsNorm,
+                                               NativeGreedy, NativeRmsNorm, NativeRotary,
+                                               NativeSiluAndMul, NativeTokenBitmask,
                                                NativeWriteKV)
     specs = (("attention_decode", "decode_native_paged", NativeDecode, "C, in-place paged reads"),
              ("attention_prefill", "prefill_native_paged", NativePrefill,
@@ -98,6 +102,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
               "C, int8 dot products (AVX-512 VNNI), legacy blocks and K-quant super-blocks in place"),
              ("embedding_packed", "embedding_packed_native", NativePackedEmbedding,
               "C, the rows read dequantized to float32"),
+             ("embedding", "embedding_native", NativeEmbedding, "C, ids checked, rows copied"),
              ("rotary_embedding", "rotary_native", NativeRotary, "C, one pass per token"),
              ("write_kv_cache", "write_kv_native", NativeWriteKV, "C, row copies; slot -1 skipped"),
              ("rms_norm", "rms_norm_native", NativeRmsNorm, "C, one pass per row"),
@@ -109,7 +114,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None) -> li
               "C, AVX-512 max then first index, rows over threads"),
              ("apply_token_bitmask", "token_bitmask_native", NativeTokenBitmask,
               "C, all-ones words skipped, AVX-512 masked stores of -inf"))
-    return _built_kernels(specs, device, not_offered)
+    return _built_kernels(specs, device, not_offered, recorder)
 
 
 def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
@@ -129,10 +134,12 @@ def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
                           device, not_offered)
 
 
-def _built_kernels(specs, device: str, not_offered: dict[str, str] | None) -> list[Kernel]:
+def _built_kernels(specs, device: str, not_offered: dict[str, str] | None,
+                   recorder: Any = None) -> list[Kernel]:
     """A Kernel for each (op, name, build, description) whose build() succeeds; one that
     fails is named in `not_offered` with why, and a warning says so. The built object gives
-    `supports`, and its `weight_layout` when it reads its weight in a form of its own."""
+    `supports`, and its `weight_layout` when it reads its weight in a form of its own; a
+    team kernel gets the device's program recorder (tessellm_cpu.native_program)."""
     out = []
     for op, name, build, description in specs:
         try:
@@ -142,6 +149,8 @@ def _built_kernels(specs, device: str, not_offered: dict[str, str] | None) -> li
         except Exception as e:  # fail safe: an unforeseen failure loses this kernel only
             why = f"{type(e).__name__}: {e}"
         else:
+            if isinstance(fn, TeamKernelC):
+                fn.recorder = recorder
             out.append(Kernel(op=op, name=name, fn=fn, device=device, supports=fn.supports,
                               description=description,
                               weight_layout=getattr(fn, "weight_layout", None)))
@@ -152,9 +161,11 @@ def _built_kernels(specs, device: str, not_offered: dict[str, str] | None) -> li
     return out
 
 
-def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
+def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
+                recorder: Any = None) -> list[Kernel]:
     """Every CPU kernel this machine can run; those it cannot are named in `not_offered`
-    (kernel name -> reason) when given."""
+    (kernel name -> reason) when given. `recorder`: the device's ProgramRecorder, which the
+    native kernels consult to become program nodes while a decode program is recorded."""
     def k(op: str, name: str, fn, description: str = "") -> Kernel:
         return Kernel(op=op, name=name, fn=fn, device=device, description=description)
 
@@ -163,7 +174,7 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
     prebuild(sorted(NATIVE.glob("*.c")))   # a fresh cache compiles them side by side
     # kernels with a weight layout come after the plain ones, so kernel_selection "first"
     # never converts a weight
-    return native_kernels(device, not_offered) + [
+    return native_kernels(device, not_offered, recorder) + [
         k("embedding", "embedding_aten", F.embedding),
         k("linear", "linear_aten", F.linear),
         k("linear_packed", "linear_packed_dequant_matmul", portable.linear_packed_dequant,

@@ -18,6 +18,7 @@ import torch
 
 from tessellm.plugin_api import KernelQuery, WeightLayout
 from tessellm_cpu.native_build import NativeBuildError, build_library, entry_point
+from tessellm_cpu.native_team import TeamEntry, TeamKernelC
 
 SOURCE = Path(__file__).with_name("native") / "linear_amx.c"
 TILE = 32   # features per strip and inputs per tile step (linear_amx.c's STRIP, KBLOCK)
@@ -25,7 +26,12 @@ AMX_OK, AMX_ERR_SHAPE, AMX_ERR_ALLOC, AMX_ERR_UNAVAILABLE = 0, 1, 2, 3
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-class NativeAmxLinear:
+class AmxLinearArgs(ctypes.Structure):
+    _fields_ = [("x", _ptr), ("M", _i64), ("K", _i64), ("packed", _ptr), ("N", _i64),
+                ("bias", _ptr), ("y", _ptr), ("threads", ctypes.c_int), ("scratch", _ptr)]
+
+
+class NativeAmxLinear(TeamKernelC):
     """linear(x, packed, bias) with `packed` from `prepare`; `weight_layout` names that form."""
 
     def __init__(self) -> None:
@@ -38,9 +44,7 @@ class NativeAmxLinear:
                                    "refused this process the AMX tile state")
         self._pack = entry_point(native, "amx_pack_bf16")
         self._pack.argtypes, self._pack.restype = [_ptr, _i64, _i64, _ptr], ctypes.c_int
-        self._fn = entry_point(native, "amx_linear_bf16")
-        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
-        self._fn.restype = ctypes.c_int
+        self._entry = TeamEntry(native, "amx_linear_bf16", AmxLinearArgs, scratch=True)
         self.weight_layout = WeightLayout("amx_bf16_tiles", self.prepare)
 
     @staticmethod
@@ -74,18 +78,25 @@ class NativeAmxLinear:
         if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_cpu:
             raise ValueError(f"AMX linear: x must be bfloat16 rows of {k} features on the CPU, "
                              f"got {x.dtype} of shape {tuple(x.shape)}")
+        b = self._builder()
+        if b is not None and not (x.is_contiguous() and (
+                bias is None or (bias.dtype is torch.bfloat16 and bias.is_contiguous()))):
+            b.decline("AMX linear copies its input or bias")
+            b = None
         x = x.contiguous()
-        b = None
+        bb = None
         if bias is not None:
-            b = bias.to(torch.bfloat16).contiguous()
-            if b.numel() != n or not b.is_cpu:
-                raise ValueError(f"AMX linear: a bias of {b.numel()} values for {n} output "
+            bb = bias.to(torch.bfloat16).contiguous()
+            if bb.numel() != n or not bb.is_cpu:
+                raise ValueError(f"AMX linear: a bias of {bb.numel()} values for {n} output "
                                  "features (on the CPU)")
-        out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-        rc = self._fn(x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
-                      None if b is None else b.data_ptr(), out.data_ptr())
-        if rc == AMX_ERR_ALLOC:
-            raise MemoryError("AMX linear could not allocate its padded row block")
-        if rc != AMX_OK:
+        out = self._empty(b, (x.shape[0], n), torch.bfloat16)
+        args = AmxLinearArgs(x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
+                             0 if bb is None else bb.data_ptr(), out.data_ptr(),
+                             0 if b is None else b.threads, 0)
+
+        def raise_error(rc: int) -> None:
+            if rc == AMX_ERR_ALLOC:
+                raise MemoryError("AMX linear could not allocate its padded row block")
             raise RuntimeError(f"AMX linear failed with code {rc}")
-        return out
+        return self._launch(b, self._entry, args, out, raise_error, "linear")

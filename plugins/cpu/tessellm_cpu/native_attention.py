@@ -17,34 +17,46 @@ from typing import Any
 import torch
 
 from tessellm.plugin_api import AttentionMetadata, KernelQuery
-from tessellm_cpu.native_build import build_library, entry_points_by_dtype
+from tessellm_cpu.native_build import build_library, entry_point
+from tessellm_cpu.native_team import TeamEntry, TeamKernelC
 
 SOURCE = Path(__file__).with_name("native") / "paged_attention.c"
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# q, kv, block_tables, bt_stride, bt_cols, seq_lens, out, B, H, NKV, D, BS, NB, scale, info
-_DECODE_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                    _f32, _ptr]
-# q, kv, block_tables, bt_stride, bt_cols, seq_lens, query_start_loc, out, B, NT, H, NKV, D,
-# BS, NB, scale, info
-_PREFILL_ARGTYPES = [_ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                     _i64, _i64, _i64, _f32, _ptr]
 # paged_attention.c's PD_* return codes
 PD_OK, PD_ERR_ALLOC, PD_ERR_SHAPE, PD_ERR_HEADS = 0, 1, 2, 3
 PD_ERR_SEQ_LEN, PD_ERR_TABLE_WIDTH, PD_ERR_BLOCK_ID, PD_ERR_QUERY = 4, 5, 6, 7
 
 
-class _PagedAttention:
+class DecodeArgs(ctypes.Structure):
+    _fields_ = [("q", _ptr), ("kv", _ptr), ("block_tables", _ptr), ("bt_stride", _i64),
+                ("bt_cols", _i64), ("seq_lens", _ptr), ("out", _ptr), ("B", _i64), ("H", _i64),
+                ("NKV", _i64), ("D", _i64), ("BS", _i64), ("NB", _i64), ("scale", _f32),
+                ("threads", ctypes.c_int), ("info", _ptr), ("scratch", _ptr)]
+
+
+class PrefillArgs(ctypes.Structure):
+    _fields_ = [("q", _ptr), ("kv", _ptr), ("block_tables", _ptr), ("bt_stride", _i64),
+                ("bt_cols", _i64), ("seq_lens", _ptr), ("query_start_loc", _ptr), ("out", _ptr),
+                ("B", _i64), ("NT", _i64), ("H", _i64), ("NKV", _i64), ("D", _i64),
+                ("BS", _i64), ("NB", _i64), ("scale", _f32), ("threads", ctypes.c_int),
+                ("info", _ptr), ("scratch", _ptr)]
+
+
+class _PagedAttention(TeamKernelC):
     """The loaded library's entry points of one kind (`kind`: decode or prefill), by dtype.
     `code_hash` identifies the built code (source, flags, compiler, CPU) for the profiler's
     cache."""
 
     kind: str
-    argtypes: list
+    args_type: type[ctypes.Structure]
 
     def __init__(self) -> None:
         native = build_library(SOURCE)
         self.code_hash = native.key
-        self._fns = entry_points_by_dtype(native, f"paged_{self.kind}", self.argtypes)
+        self._entries = {dt: TeamEntry(native, f"paged_{self.kind}_{sfx}", self.args_type)
+                         for dt, sfx in ((torch.float32, "f32"), (torch.bfloat16, "bf16"))}
+        self._scratch = entry_point(native, f"paged_{self.kind}_scratch")
+        self._scratch.argtypes, self._scratch.restype = [_ptr], ctypes.c_int64
         # The step's tables and lengths, checked and converted once per metadata object (every
         # layer of a step passes the same one): (meta, its block_tables and seq_lens as given,
         # the checked tables, the int32 lengths). A field given a new tensor is seen as new.
@@ -75,10 +87,11 @@ class _PagedAttention:
         return tables, seq_lens
 
     def _checked(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
-        """(entry point, q contiguous, tables, seq_lens, the cache's sizes) after the checks
-        both kinds share."""
-        fn = self._fns.get(q.dtype)
-        if fn is None or kv_cache.dtype is not q.dtype:
+        """(entry, q contiguous, tables, seq_lens, the cache's sizes, builder) after the
+        checks both kinds share; the builder is None when not recording (or declined: the
+        tables or q needed a copy)."""
+        entry = self._entries.get(q.dtype)
+        if entry is None or kv_cache.dtype is not q.dtype:
             raise TypeError(f"native {self.kind} supports float32/bfloat16, got {q.dtype} "
                             f"with a {kv_cache.dtype} cache")
         if not (kv_cache.is_cpu and q.is_cpu):
@@ -94,63 +107,90 @@ class _PagedAttention:
         if block_size != meta.block_size:
             raise ValueError(f"the KV cache has blocks of {block_size} tokens, the metadata "
                              f"{meta.block_size}")
-        return fn, q.contiguous(), tables, seq_lens, (num_blocks, num_kv_heads, block_size,
-                                                      head_dim)
+        b = self._builder()
+        if b is not None and not (tables is meta.block_tables and seq_lens is meta.seq_lens
+                                  and q.is_contiguous()):
+            b.decline(f"{self.kind} attention converts its tables, lengths or q")
+            b = None
+        return entry, q.contiguous(), tables, seq_lens, (num_blocks, num_kv_heads, block_size,
+                                                         head_dim), b
 
-    def _launch(self, fn, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor,
-                seq_lens: torch.Tensor, sizes: tuple[int, int, int, int], scale: float,
-                starts: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the entry point into a new tensor like q (`starts`: the prefill's query
+    def _launch_attention(self, entry: TeamEntry, b: Any, q: torch.Tensor,
+                          kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                          sizes: tuple[int, int, int, int], scale: float,
+                          starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Run (or record) the entry into a new tensor like q (`starts`: the prefill's query
         offsets); a nonzero return code raises the error it names."""
         num_blocks, num_kv_heads, block_size, head_dim = sizes
         num_heads = q.shape[1] // head_dim
-        out = torch.empty_like(q)
+        out = self._empty(b, q.shape, q.dtype)
         info = (ctypes.c_int64 * 2)(-1, -1)
-        counts = ((out.data_ptr(), seq_lens.shape[0]) if starts is None else
-                  (starts.data_ptr(), out.data_ptr(), seq_lens.shape[0], q.shape[0]))
-        rc = fn(q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                tables.shape[1], seq_lens.data_ptr(), *counts, num_heads, num_kv_heads,
-                head_dim, block_size, num_blocks, scale, ctypes.addressof(info))
-        if rc == PD_ERR_QUERY and starts is not None:
-            raise ValueError(f"native prefill: the query offsets {starts.tolist()} do not "
-                             f"rise from 0 to the {q.shape[0]} rows of q within the sequence "
-                             f"lengths {seq_lens.tolist()} (at sequence {info[0]})")
-        if rc != PD_OK:
-            _raise(self.kind, rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads,
+        common = (q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                  tables.shape[1], seq_lens.data_ptr())
+        sizes_ = (num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
+        if starts is None:
+            args = DecodeArgs(*common, out.data_ptr(), seq_lens.shape[0], *sizes_, 0,
+                              ctypes.addressof(info), 0)
+        else:
+            args = PrefillArgs(*common, starts.data_ptr(), out.data_ptr(), seq_lens.shape[0],
+                               q.shape[0], *sizes_, 0, ctypes.addressof(info), 0)
+        if b is not None:
+            args.threads = b.threads
+            args.scratch = b.scratch(int(self._scratch(ctypes.byref(args))))
+        kind, rows = self.kind, q.shape[0]
+        starts_list = None if starts is None else starts
+
+        def raise_error(rc: int) -> None:
+            if rc == PD_ERR_QUERY and starts_list is not None:
+                raise ValueError(f"native prefill: the query offsets {starts_list.tolist()} do "
+                                 f"not rise from 0 to the {rows} rows of q within the sequence "
+                                 f"lengths {seq_lens.tolist()} (at sequence {info[0]})")
+            _raise(kind, rc, info[0], info[1], seq_lens, tables, num_heads, num_kv_heads,
                    head_dim, block_size, num_blocks)
+        if b is None:
+            rc = entry.run(ctypes.byref(args))
+            if rc:
+                raise_error(rc)
+            return out
+        from tessellm_cpu.native_program import NativeCall
+        b.node(NativeCall(entry.team, args, raise_error, f"attention_{kind}", (info,)))
         return out
 
 
 class NativeDecode(_PagedAttention):
     """attention_decode: one query token per sequence (the last of each)."""
 
-    kind, argtypes = "decode", _DECODE_ARGTYPES
+    kind, args_type = "decode", DecodeArgs
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
-        fn, q, tables, seq_lens, sizes = self._checked(q, kv_cache, meta)
+        entry, q, tables, seq_lens, sizes, b = self._checked(q, kv_cache, meta)
         if q.shape[0] != seq_lens.shape[0]:
             raise ValueError(f"native decode needs q of [{seq_lens.shape[0]}, heads * "
                              f"{sizes[3]}] (one token per sequence), got {tuple(q.shape)}")
-        return self._launch(fn, q, kv_cache, tables, seq_lens, sizes, scale)
+        return self._launch_attention(entry, b, q, kv_cache, tables, seq_lens, sizes, scale)
 
 
 class NativePrefill(_PagedAttention):
     """attention_prefill: every query token of each sequence, causal over the cached context
     and the tokens before it (query rows by meta.query_start_loc)."""
 
-    kind, argtypes = "prefill", _PREFILL_ARGTYPES
+    kind, args_type = "prefill", PrefillArgs
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float) -> torch.Tensor:
-        fn, q, tables, seq_lens, sizes = self._checked(q, kv_cache, meta)
+        entry, q, tables, seq_lens, sizes, b = self._checked(q, kv_cache, meta)
         starts = meta.query_start_loc
         if starts.dtype is not torch.int32 or not starts.is_contiguous():
+            if b is not None:
+                b.decline("prefill attention converts its query offsets")
+                b = None
             starts = starts.to(torch.int32).contiguous()
         if starts.numel() != seq_lens.shape[0] + 1 or not starts.is_cpu:
             raise ValueError(f"native prefill needs {seq_lens.shape[0] + 1} query offsets on "
                              f"the CPU, got {starts.numel()}")
-        return self._launch(fn, q, kv_cache, tables, seq_lens, sizes, scale, starts)
+        return self._launch_attention(entry, b, q, kv_cache, tables, seq_lens, sizes, scale,
+                                      starts)
 
 
 def _raise(kind: str, rc: int, seq: int, col: int, seq_lens: torch.Tensor,

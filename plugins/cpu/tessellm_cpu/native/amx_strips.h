@@ -193,54 +193,54 @@ static inline void decode_strip(const uint8_t *w, const StripShape *sh, int64_t 
     }
 }
 
-/* out[M, N] = the tiles' sums (+ bias): each thread decodes its strips of 16 features (per
- * block of m_block rows) and runs the 16-row tiles of x against them. 0, or 2 when the
- * buffers cannot be allocated (nothing written then). */
-static inline int run_strips(const StripShape *sh, const uint8_t *w, const float *bias,
-                             float *out, const uint8_t tile_rows[8], const uint16_t tile_colsb[8],
-                             StripToB to_b_form, StripTile tile, const void *rows) {
+/* Bytes of one thread's strip buffers (levels, B form, scale tables, C buffer). */
+static inline size_t strip_buffer_bytes(const StripShape *sh) {
+    const int64_t nb2 = (sh->nb + 1) / 2 * 2;
+    return round64((size_t)STRIP * nb2 * QK) + round64((size_t)nb2 * sh->b_block)
+         + 2 * round64((size_t)nb2 * STRIP * sizeof(float)) + 4 * 256 * 4;
+}
+
+/* out[M, N] = the tiles' sums (+ bias), run by every thread of a team (team.h): each thread
+ * decodes its strips of 16 features (per block of m_block rows) into its own buffers
+ * (`buffers`, strip_buffer_bytes each, indexed by thread) and runs the 16-row tiles of x
+ * against them. */
+static inline void run_strips_team(const StripShape *sh, const uint8_t *w, const float *bias,
+                                   float *out, const uint8_t tile_rows[8],
+                                   const uint16_t tile_colsb[8], StripToB to_b_form,
+                                   StripTile tile, const void *rows, uint8_t *buffers) {
     const int64_t nb2 = (sh->nb + 1) / 2 * 2, strips = (sh->N + STRIP - 1) / STRIP;
-    const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;
     const size_t lv_bytes = round64((size_t)STRIP * nb2 * QK);
     const size_t b_bytes = round64((size_t)nb2 * sh->b_block);
     const size_t table = round64((size_t)nb2 * STRIP * sizeof(float));
-    const size_t per_thread = lv_bytes + b_bytes + 2 * table + 4 * 256 * 4;
-    uint8_t *buffers = aligned_alloc(64, per_thread * (size_t)nt);
-    if (!buffers) return 2;
-#pragma omp parallel
-    {
-        configure_tiles(tile_rows, tile_colsb);
-        uint8_t *mine = buffers + per_thread * (size_t)omp_get_thread_num();
-        Strip st = {.lv = mine, .bform = mine + lv_bytes,
-                    .s0 = (float *)(mine + lv_bytes + b_bytes),
-                    .s1 = (float *)(mine + lv_bytes + b_bytes + table),
-                    .cbuf = mine + lv_bytes + b_bytes + 2 * table};
-        memset(st.lv, 0, lv_bytes);   /* an odd block count's last pair stays zero */
-        for (int64_t mb = 0; mb < sh->M; mb += sh->m_block) {
-            const int64_t mb_end = mb + sh->m_block < sh->M ? mb + sh->m_block : sh->M;
-#pragma omp for schedule(static)
-            for (int64_t s = 0; s < strips; s++) {
-                const int64_t n0 = s * STRIP;
-                const int nr = (int)(sh->N - n0 < STRIP ? sh->N - n0 : STRIP);
-                decode_strip(w, sh, nb2, n0, nr, &st);
-                to_b_form(st.lv, nb2 * QK, nb2, st.bform);
-                const __mmask16 keep = (__mmask16)((1u << nr) - 1);
-                const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0)
-                                      : _mm512_setzero_ps();
-                for (int64_t m0 = mb; m0 < mb_end; m0 += 16) {
-                    __m512 acc[16];
-                    tile(rows, m0, sh->nb, sh->qtype, &st, acc);
-                    const int64_t m = sh->M - m0 < 16 ? sh->M - m0 : 16;
-                    for (int64_t i = 0; i < m; i++)
-                        _mm512_mask_storeu_ps(out + (m0 + i) * sh->N + n0, keep,
-                                              _mm512_add_ps(acc[i], b));
-                }
+    configure_tiles(tile_rows, tile_colsb);
+    uint8_t *mine = buffers + strip_buffer_bytes(sh) * (size_t)omp_get_thread_num();
+    Strip st = {.lv = mine, .bform = mine + lv_bytes,
+                .s0 = (float *)(mine + lv_bytes + b_bytes),
+                .s1 = (float *)(mine + lv_bytes + b_bytes + table),
+                .cbuf = mine + lv_bytes + b_bytes + 2 * table};
+    memset(st.lv, 0, lv_bytes);   /* an odd block count's last pair stays zero */
+    for (int64_t mb = 0; mb < sh->M; mb += sh->m_block) {
+        const int64_t mb_end = mb + sh->m_block < sh->M ? mb + sh->m_block : sh->M;
+#pragma omp for schedule(static) nowait
+        for (int64_t s = 0; s < strips; s++) {
+            const int64_t n0 = s * STRIP;
+            const int nr = (int)(sh->N - n0 < STRIP ? sh->N - n0 : STRIP);
+            decode_strip(w, sh, nb2, n0, nr, &st);
+            to_b_form(st.lv, nb2 * QK, nb2, st.bform);
+            const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+            const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0)
+                                  : _mm512_setzero_ps();
+            for (int64_t m0 = mb; m0 < mb_end; m0 += 16) {
+                __m512 acc[16];
+                tile(rows, m0, sh->nb, sh->qtype, &st, acc);
+                const int64_t m = sh->M - m0 < 16 ? sh->M - m0 : 16;
+                for (int64_t i = 0; i < m; i++)
+                    _mm512_mask_storeu_ps(out + (m0 + i) * sh->N + n0, keep,
+                                          _mm512_add_ps(acc[i], b));
             }
         }
-        _tile_release();
     }
-    free(buffers);
-    return 0;
+    _tile_release();
 }
 
 #endif

@@ -5,16 +5,17 @@
  * features each), row r holding the pairs (W[n][k0 + 2r], W[n][k0 + 2r + 1]) of its 16
  * features. A strip's blocks are contiguous, so a thread streams its strips front to back.
  *
- * amx_linear_bf16: x [M, K] contiguous bfloat16, y [M, N] bfloat16, float32 sums, the bias
+ * amx_linear_bf16_team (team.h; amx_linear_bf16_run for an eager call): x [M, K] contiguous
+ * bfloat16, y [M, N] bfloat16, float32 sums, the bias
  * (bfloat16, or NULL) added in float32 before the one rounding to nearest even. Rows go in
  * groups of 32 (two A tiles; a group of at most 16 rows uses one), a group against a strip
  * in four float32 C tiles; the last partial group is read from a zero-padded copy. Rows are
  * taken in blocks whose x fits in L2 (x_block_rows), every thread walks its own contiguous
  * range of strips for each block and prefetches the strip data a few KiB ahead on the first
- * group of a block (later groups find it in L2). Threads share nothing, so there is one
- * parallel region and no barrier; each configures its tiles on entry and releases them on
- * exit. K and N must be multiples of 32 (AMX_ERR_SHAPE otherwise); the scratch copy is
- * allocated before the parallel region (AMX_ERR_ALLOC, nothing written).
+ * group of a block (later groups find it in L2). Threads share nothing past the padded copy
+ * (made by one thread, then a barrier); each configures its tiles on entry and releases them
+ * on exit. K and N must be multiples of 32 (AMX_ERR_SHAPE otherwise); the padded copy and the
+ * many-rows path's sums live in the caller's scratch (amx_linear_bf16_scratch bytes).
  *
  * amx_enable asks Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM) for this
  * process; without it the first tile instruction faults. AMX_ERR_UNAVAILABLE when the build
@@ -27,6 +28,7 @@
 #include <string.h>
 
 #include "prefetch.h"
+#include "team.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -114,7 +116,6 @@ static void linear_few_rows(const uint16_t *x, const uint16_t *pad, int64_t M, i
     const int64_t strips = N / STRIP, kbs = K / KBLOCK, full = M / 32 * 32;
     int64_t block_rows = X_BLOCK_BYTES / (K * 2) / 32 * 32;
     block_rows = block_rows < 32 ? 32 : block_rows;
-#pragma omp parallel
     {
         configure_tiles();
         float cbuf[32 * 32] __attribute__((aligned(64)));
@@ -175,7 +176,6 @@ static void linear_many_rows(const uint16_t *x, const uint16_t *pad, int64_t M, 
                              const uint16_t *packed, int64_t N, const uint16_t *bias,
                              uint16_t *y, float *acc_all) {
     const int64_t strips = N / STRIP, kbs = K / KBLOCK, full = M / 32 * 32;
-#pragma omp parallel
     {
         configure_tiles();
         float cbuf[32 * 32] __attribute__((aligned(64)));
@@ -238,37 +238,61 @@ static void linear_many_rows(const uint16_t *x, const uint16_t *pad, int64_t M, 
     }
 }
 
-int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-                    const uint16_t *bias, uint16_t *y) {
+/* The linear's arguments (team.h): scratch holds the zero-padded last row group (when M is
+ * not a multiple of 32), then, past FEW_ROWS_MAX rows, every thread's float32 sums. */
+typedef struct {
+    const uint16_t *x;
+    int64_t M, K;
+    const uint16_t *packed;
+    int64_t N;
+    const uint16_t *bias;
+    uint16_t *y;
+    int threads;
+    void *scratch;
+} AmxLinearArgs;
+
+static int64_t pad_bytes(const AmxLinearArgs *a) {
+    return a->M % 32 ? (32 * a->K * (int64_t)sizeof(uint16_t) + 63) / 64 * 64 : 0;
+}
+
+int64_t amx_linear_bf16_scratch(const AmxLinearArgs *a) {
+    if (a->M <= 0 || a->K <= 0) return 0;
+    const int64_t acc = a->M > FEW_ROWS_MAX
+        ? (int64_t)a->threads * (MB / 32) * NC * 1024 * (int64_t)sizeof(float) : 0;
+    return pad_bytes(a) + acc;
+}
+
+int amx_linear_bf16_team(const AmxLinearArgs *a) {
+    const int64_t M = a->M, K = a->K, N = a->N;
     if (M < 0 || N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
     if (M == 0) return AMX_OK;
+    if (omp_get_num_threads() > a->threads) return AMX_ERR_ALLOC;   /* scratch is per thread */
     const int64_t full = M / 32 * 32;
-    const int many = M > FEW_ROWS_MAX;
-    uint16_t *pad = NULL;
-    float *acc = NULL;
-    if (full < M) {   /* the last partial group of rows, zero-padded to 32 */
-        pad = aligned_alloc(64, (size_t)(32 * K) * sizeof(uint16_t));
-        if (!pad) return AMX_ERR_ALLOC;
-        memset(pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
-        memcpy(pad, x + full * K, (size_t)((M - full) * K) * sizeof(uint16_t));
+    uint16_t *pad = full < M ? a->scratch : NULL;
+    float *acc = M > FEW_ROWS_MAX ? (float *)((char *)a->scratch + pad_bytes(a)) : NULL;
+    if (pad) {   /* the last partial group of rows, zero-padded to 32 */
+#pragma omp single
+        {
+            memset(pad, 0, (size_t)(32 * K) * sizeof(uint16_t));
+            memcpy(pad, a->x + full * K, (size_t)((M - full) * K) * sizeof(uint16_t));
+        }
     }
-    if (many) {   /* every thread's float32 sums for MB rows x NC strips */
-        const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;
-        acc = aligned_alloc(64, (size_t)nt * (MB / 32) * NC * 1024 * sizeof(float));
-        if (!acc) { free(pad); return AMX_ERR_ALLOC; }
-    }
-    if (many) linear_many_rows(x, pad, M, K, packed, N, bias, y, acc);
-    else linear_few_rows(x, pad, M, K, packed, N, bias, y);
-    free(acc);
-    free(pad);
+    if (acc) linear_many_rows(a->x, pad, M, K, a->packed, N, a->bias, a->y, acc);
+    else linear_few_rows(a->x, pad, M, K, a->packed, N, a->bias, a->y);
     return AMX_OK;
+}
+
+/* An eager call: AMX_OK, AMX_ERR_SHAPE, or AMX_ERR_ALLOC when the scratch cannot be had. */
+int amx_linear_bf16_run(AmxLinearArgs *a) {
+    a->threads = team_threads();
+    return TEAM_RUN_WITH_SCRATCH(amx_linear_bf16_team, a, amx_linear_bf16_scratch(a),
+                                 a->threads, 0, AMX_ERR_ALLOC);
 }
 #else
 int amx_enable(void) { return AMX_ERR_UNAVAILABLE; }
 
-int amx_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
-                    const uint16_t *bias, uint16_t *y) {
-    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)y;
-    return AMX_ERR_UNAVAILABLE;
-}
+typedef struct { int unused; } AmxLinearArgs;
+int64_t amx_linear_bf16_scratch(const AmxLinearArgs *a) { (void)a; return 0; }
+int amx_linear_bf16_team(const AmxLinearArgs *a) { (void)a; return AMX_ERR_UNAVAILABLE; }
+int amx_linear_bf16_run(AmxLinearArgs *a) { (void)a; return AMX_ERR_UNAVAILABLE; }
 #endif

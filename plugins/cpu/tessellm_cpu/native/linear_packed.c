@@ -27,6 +27,7 @@
 #include "k_quant_blocks.h"
 #include "packed_blocks.h"
 #include "prefetch.h"
+#include "team.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define MT 8   /* rows of x per tile (portable path) */
@@ -290,18 +291,45 @@ static void row_tile(const float *x, int64_t K, const uint8_t *wrow, int qtype, 
 }
 #endif
 
-/* Returns 0, 1 on a bad format or K, 2 when scratch memory cannot be allocated. */
-int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                      int qtype, const float *bias, float *out) {
-    if (block_bytes(qtype) == 0 || K < 0 || K % block_weights(qtype) != 0) return 1;
+/* The linear's arguments (team.h). scratch: linear_packed_scratch bytes (the AVX-512 path's
+ * per-row block sums of x). */
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    const uint8_t *w;
+    int64_t N;
+    int qtype;
+    const float *bias;
+    float *out;
+    void *scratch;
+} LinearPackedArgs;
+
+int64_t linear_packed_scratch(const LinearPackedArgs *a) {
+#ifdef __AVX512F__
+    return a->M > 0 && a->K > 0 ? (int64_t)sizeof(float) * a->M * (a->K / QK) : 0;
+#else
+    (void)a;
+    return 0;
+#endif
+}
+
+/* Returns 0, or 1 on a bad format or K. */
+int linear_packed_team(const LinearPackedArgs *a) {
+    const int qtype = a->qtype;
+    const int64_t M = a->M, K = a->K, N = a->N;
+    if (block_bytes(qtype) == 0 || K < 0 || K % block_weights(qtype) != 0 || M < 0 || N < 0)
+        return 1;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
+    const float *x = a->x, *bias = a->bias;
+    const uint8_t *w = a->w;
+    float *out = a->out;
 #ifdef __AVX512F__
     const int64_t nb = K / QK;
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * nb > 0 ? M * nb : 1));
-    if (!xs) return 2;
-    block_sums(x, M, K, xs);
+    float *xs = a->scratch;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) block_sums(x + m * K, 1, K, xs + m * nb);
     const int64_t groups = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t grp = 0; grp < groups; grp++) {
         const int64_t n0 = grp * NR;
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
@@ -314,9 +342,8 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
             tile_out(x, xs, K, w, row, qtype, n0, nr, m0, MR, bias, out, N, pf);
         for (; m0 < M; m0++, pf = NULL) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, 1, bias, out, N, pf);
     }
-    free(xs);
 #else
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < N; n++) {
         float res[MT];
         const float bn = bias ? bias[n] : 0.f;
@@ -330,16 +357,38 @@ int linear_packed_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, in
     return 0;
 }
 
+/* An eager call: 0, 1 on a bad format or K, 2 when scratch memory cannot be allocated. */
+int linear_packed_run(LinearPackedArgs *a) {
+    return TEAM_RUN_WITH_SCRATCH(linear_packed_team, a, linear_packed_scratch(a), team_threads(),
+                                 0, 2);
+}
+
 /* Embedding rows: out[t, :] = row ids[t] of W [N, K], each block dequantized as the reference
  * does (dequant_block). Returns 0, 1 on a bad format or K, 3 when an id is outside [0, N)
  * (nothing is written then). */
-int embedding_packed_f32(const int64_t *ids, int64_t T, const uint8_t *w, int64_t N, int64_t K,
-                         int qtype, float *out) {
+typedef struct {
+    const int64_t *ids;
+    int64_t T;
+    const uint8_t *w;
+    int64_t N, K;
+    int qtype;
+    float *out;
+} EmbeddingPackedArgs;
+
+int embedding_packed_team(const EmbeddingPackedArgs *a) {
+    const int qtype = a->qtype;
+    const int64_t K = a->K;
     if (block_bytes(qtype) == 0 || K < 0 || K % block_weights(qtype) != 0) return 1;
-    for (int64_t t = 0; t < T; t++)
-        if (ids[t] < 0 || ids[t] >= N) return 3;
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->ids[t] < 0 || a->ids[t] >= a->N) return 3;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t b = 0; b < K / QK; b++) dequant_block(w + ids[t] * row, b, qtype, out + t * K + b * QK);
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < a->T; t++)
+        for (int64_t b = 0; b < K / QK; b++)
+            dequant_block(a->w + a->ids[t] * row, b, qtype, a->out + t * K + b * QK);
     return 0;
+}
+
+int embedding_packed_run(const EmbeddingPackedArgs *a) {
+    return team_run((TeamKernel)embedding_packed_team, a, team_threads(), a->T * a->K < 65536);
 }

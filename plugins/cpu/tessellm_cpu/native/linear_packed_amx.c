@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "amx_strips.h"
+#include "team.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__) || \
     !defined(__AVX512BW__)
@@ -223,29 +224,66 @@ static void tile_rows(const void *rows, int64_t m0, int64_t nb, int qtype, const
     }
 }
 
-/* Returns 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated; 3 when the
- * tile state is not granted. */
-int linear_packed_amx_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                          int qtype, const float *bias, float *out) {
-    if (block_bytes(qtype) == 0 || K <= 0 || K % block_weights(qtype) != 0 || M < 0 || N < 0)
+/* The linear's arguments (team.h; linear_q8act_amx.c's layout). scratch: the split rows of
+ * x padded to 16 (rows past M zero), then every thread's strip buffers. */
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    const uint8_t *w;
+    int64_t N;
+    int qtype;
+    const float *bias;
+    float *out;
+    int threads;
+    void *scratch;
+} PackedAmxArgs;
+
+static StripShape shape_of(const PackedAmxArgs *a) {
+    return (StripShape){.M = a->M, .N = a->N, .nb = a->K / QK,
+                        .row = a->K / block_weights(a->qtype) * block_bytes(a->qtype),
+                        .qtype = a->qtype, .b_block = B_BLOCK, .m_block = M_BLOCK};
+}
+
+static int64_t split_stride(int64_t K) {
+    const int64_t nb2 = (K / QK + 1) / 2 * 2;
+    return (int64_t)round64((size_t)(PARTS * K * 2 + nb2 * 4));
+}
+
+int64_t linear_packed_amx_scratch(const PackedAmxArgs *a) {
+    if (a->M <= 0 || a->K <= 0 || block_bytes(a->qtype) == 0) return 0;
+    const StripShape sh = shape_of(a);
+    const int64_t padded = (a->M + ROWS - 1) / ROWS * ROWS;
+    return split_stride(a->K) * padded + (int64_t)(strip_buffer_bytes(&sh) * (size_t)a->threads);
+}
+
+/* Returns 0; 1 on a bad format or K; 2 when the scratch is for fewer threads than the team
+ * has; 3 when the tile state is not granted. */
+int linear_packed_amx_team(const PackedAmxArgs *a) {
+    const int qtype = a->qtype;
+    const int64_t M = a->M, K = a->K;
+    if (block_bytes(qtype) == 0 || K <= 0 || K % block_weights(qtype) != 0 || M < 0 || a->N < 0)
         return ERR_SHAPE;
-    if (M == 0 || N == 0) return OK;
+    if (M == 0 || a->N == 0) return OK;
     if (amx_request_tiles() != OK) return ERR_UNAVAILABLE;
-    const int64_t nb = K / QK, nb2 = (nb + 1) / 2 * 2;
-    const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
-    const int64_t padded = (M + ROWS - 1) / ROWS * ROWS;
-    SplitRows split = {.stride = (int64_t)round64((size_t)(PARTS * K * 2 + nb2 * 4)), .K = K};
-    split.data = aligned_alloc(64, (size_t)(split.stride * padded));
-    if (!split.data) return ERR_ALLOC;
-    memset(split.data + M * split.stride, 0, (size_t)((padded - M) * split.stride));
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t i = 0; i < M; i++) split_row(x + i * K, K, nb, split.data + i * split.stride);
-    const StripShape shape = {.M = M, .N = N, .nb = nb, .row = row, .qtype = qtype,
-                              .b_block = B_BLOCK, .m_block = M_BLOCK};
+    if (omp_get_num_threads() > a->threads) return ERR_ALLOC;
+    const StripShape sh = shape_of(a);
+    const int64_t nb = sh.nb, padded = (M + ROWS - 1) / ROWS * ROWS;
+    SplitRows split = {.data = a->scratch, .stride = split_stride(K), .K = K};
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < padded; i++) {
+        if (i < M) split_row(a->x + i * K, K, nb, split.data + i * split.stride);
+        else memset(split.data + i * split.stride, 0, (size_t)split.stride);
+    }
     const int half = qtype == Q6_K, is_signed = qtype == Q6_K || qtype == Q8_0;
-    const int rc = run_strips(&shape, w, bias, out, half ? HALF_ROWS : WHOLE_ROWS,
-                              half ? HALF_COLSB : WHOLE_COLSB,
-                              is_signed ? to_b_signed : to_b_unsigned, tile_rows, &split);
-    free(split.data);
-    return rc;
+    run_strips_team(&sh, a->w, a->bias, a->out, half ? HALF_ROWS : WHOLE_ROWS,
+                    half ? HALF_COLSB : WHOLE_COLSB, is_signed ? to_b_signed : to_b_unsigned,
+                    tile_rows, &split, split.data + split.stride * padded);
+    return OK;
+}
+
+/* An eager call: the team codes, or 2 when scratch memory cannot be allocated. */
+int linear_packed_amx_run(PackedAmxArgs *a) {
+    a->threads = team_threads();
+    return TEAM_RUN_WITH_SCRATCH(linear_packed_amx_team, a, linear_packed_amx_scratch(a),
+                                 a->threads, 0, ERR_ALLOC);
 }

@@ -28,6 +28,7 @@
 #include "packed_blocks.h"
 #include "prefetch.h"
 #include "q8_rows.h"
+#include "team.h"
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
 #error "linear_q8act needs AVX-512 F, BW and VNNI"
@@ -308,22 +309,50 @@ INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uin
             out[(i0 + i) * N + n0 + r] = res[r * MR + i] + (bias ? bias[n0 + r] : 0.f);
 }
 
-/* Returns 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated. */
-int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                     int qtype, const float *bias, float *out) {
+/* The linear's arguments (team.h, linear_packed.c's layout). scratch: linear_q8act_scratch
+ * bytes (the rounded rows of x, then their QRow records). */
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    const uint8_t *w;
+    int64_t N;
+    int qtype;
+    const float *bias;
+    float *out;
+    void *scratch;
+} LinearQ8ActArgs;
+
+static size_t q8_row_stride(int64_t nb) { return (size_t)round_up((int64_t)row_bytes(nb), 64); }
+
+int64_t linear_q8act_scratch(const LinearQ8ActArgs *a) {
+    if (a->M <= 0 || a->K <= 0) return 0;
+    return (int64_t)((q8_row_stride(a->K / QK) + sizeof(QRow)) * (size_t)a->M);
+}
+
+/* Returns 0, or 1 on a bad format or K. */
+int linear_q8act_team(const LinearQ8ActArgs *a) {
+    const int qtype = a->qtype;
+    const int64_t M = a->M, K = a->K, N = a->N;
     if (block_bytes(qtype) == 0 || K <= 0 || K % block_weights(qtype) != 0 || M < 0 || N < 0)
         return 1;
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
     const int interleave = qtype == Q4_0 || qtype == Q4_1;   /* their pairs' nibble order */
-    Q8Rows q;
-    if (q8_rows_alloc(&q, M, nb)) return 2;
-    const QRow *rows = q.rows;
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, nb, interleave, q.rows[i]);
+    const size_t stride = q8_row_stride(nb);
+    uint8_t *base = a->scratch;
+    QRow *rows = (QRow *)(base + stride * (size_t)M);
+    const uint8_t *w = a->w;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; i++) {
+        uint8_t *r = base + stride * (size_t)i;
+        rows[i].xq = (int8_t *)r;
+        rows[i].dx = (float *)(r + round_up(nb, 2) * QK);
+        rows[i].sx = rows[i].dx + round_up(nb, 16);
+        quantize_row(a->x + i * K, nb, interleave, rows[i]);
+    }
     const int64_t groups = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t grp = 0; grp < groups; grp++) {
         const int64_t n0 = grp * NR;
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
@@ -332,9 +361,15 @@ int linear_q8act_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int
         SpreadPrefetch *pf = &ahead;
         int64_t i = 0;
         for (; i + MR <= M; i += MR, pf = NULL)
-            tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, bias, out, N, pf);
-        for (; i < M; i++, pf = NULL) tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N, pf);
+            tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf);
+        for (; i < M; i++, pf = NULL)
+            tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf);
     }
-    q8_rows_free(&q);
     return 0;
+}
+
+/* An eager call: 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated. */
+int linear_q8act_run(LinearQ8ActArgs *a) {
+    return TEAM_RUN_WITH_SCRATCH(linear_q8act_team, a, linear_q8act_scratch(a), team_threads(),
+                                 0, 2);
 }

@@ -28,6 +28,7 @@
 
 #include "amx_strips.h"
 #include "q8_rows.h"
+#include "team.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_INT8__) || !defined(__AVX512BW__) || \
     !defined(__AVX512VNNI__)
@@ -143,25 +144,69 @@ static void tile_rows(const void *rows, int64_t m0, int64_t nb, int qtype, const
     }
 }
 
-/* Returns 0; 1 on a bad format or K; 2 when scratch memory cannot be allocated; 3 when the
- * tile state is not granted (amx_enable failed or was not called). */
-int linear_q8act_amx_f32(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                         int qtype, const float *bias, float *out) {
-    if (block_bytes(qtype) == 0 || K <= 0 || K % block_weights(qtype) != 0 || M < 0 || N < 0)
+/* The linear's arguments (team.h; the layout of linear_q8act.c's plus `threads`). scratch:
+ * the rounded rows of x padded to 16 (rows past M zero), their QRow records, then every
+ * thread's strip buffers. */
+typedef struct {
+    const float *x;
+    int64_t M, K;
+    const uint8_t *w;
+    int64_t N;
+    int qtype;
+    const float *bias;
+    float *out;
+    int threads;
+    void *scratch;
+} Q8ActAmxArgs;
+
+static StripShape shape_of(const Q8ActAmxArgs *a) {
+    return (StripShape){.M = a->M, .N = a->N, .nb = a->K / QK,
+                        .row = a->K / block_weights(a->qtype) * block_bytes(a->qtype),
+                        .qtype = a->qtype, .b_block = B_BLOCK, .m_block = M_BLOCK};
+}
+
+int64_t linear_q8act_amx_scratch(const Q8ActAmxArgs *a) {
+    if (a->M <= 0 || a->K <= 0 || block_bytes(a->qtype) == 0) return 0;
+    const StripShape sh = shape_of(a);
+    const size_t per_row = (size_t)round_up((int64_t)row_bytes(sh.nb), 64);
+    const size_t padded = (size_t)round_up(a->M, ROWS);
+    return (int64_t)(round64((per_row + sizeof(QRow)) * padded)
+                     + strip_buffer_bytes(&sh) * (size_t)a->threads);
+}
+
+/* Returns 0; 1 on a bad format or K; 2 when the scratch is for fewer threads than the team
+ * has; 3 when the tile state is not granted (amx_enable failed or was not called). */
+int linear_q8act_amx_team(const Q8ActAmxArgs *a) {
+    const int qtype = a->qtype;
+    const int64_t M = a->M, K = a->K;
+    if (block_bytes(qtype) == 0 || K <= 0 || K % block_weights(qtype) != 0 || M < 0 || a->N < 0)
         return ERR_SHAPE;
-    if (M == 0 || N == 0) return OK;
+    if (M == 0 || a->N == 0) return OK;
     if (amx_request_tiles() != OK) return ERR_UNAVAILABLE;
-    const int64_t nb = K / QK;
-    const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
-    const int64_t padded = round_up(M, ROWS);
-    Q8Rows q;
-    if (q8_rows_alloc(&q, padded, nb)) return ERR_ALLOC;
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, nb, 0, q.rows[i]);
-    const StripShape shape = {.M = M, .N = N, .nb = nb, .row = row, .qtype = qtype,
-                              .b_block = B_BLOCK, .m_block = M_BLOCK};
-    const int rc = run_strips(&shape, w, bias, out, TILE_ROWS, TILE_COLSB, to_b_form, tile_rows,
-                              &q);
-    q8_rows_free(&q);
-    return rc;
+    if (omp_get_num_threads() > a->threads) return ERR_ALLOC;
+    const StripShape sh = shape_of(a);
+    const int64_t nb = sh.nb, padded = round_up(M, ROWS);
+    const size_t per_row = (size_t)round_up((int64_t)row_bytes(nb), 64);
+    uint8_t *base = a->scratch;
+    QRow *rows = (QRow *)(base + per_row * (size_t)padded);
+    Q8Rows q = {.scratch = base, .rows = rows, .per_row = per_row};
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < padded; i++) {
+        uint8_t *r = base + per_row * (size_t)i;
+        rows[i].xq = (int8_t *)r;
+        rows[i].dx = (float *)(r + round_up(nb, 2) * QK);
+        rows[i].sx = rows[i].dx + round_up(nb, 16);
+        if (i < M) quantize_row(a->x + i * K, nb, 0, rows[i]);
+        else memset(r, 0, per_row);   /* padding rows: d = 0, q = 0 */
+    }
+    run_strips_team(&sh, a->w, a->bias, a->out, TILE_ROWS, TILE_COLSB, to_b_form, tile_rows, &q,
+                    base + round64((per_row + sizeof(QRow)) * (size_t)padded));
+    return OK;
+}
+
+/* An eager call: the team codes, or 2 when scratch memory cannot be allocated. */
+int linear_q8act_amx_run(Q8ActAmxArgs *a) {
+    a->threads = team_threads();
+    return TEAM_RUN_WITH_SCRATCH(linear_q8act_amx_team, a, linear_q8act_amx_scratch(a),
+                                 a->threads, 0, ERR_ALLOC);
 }

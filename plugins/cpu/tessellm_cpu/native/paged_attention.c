@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "prefetch.h"
+#include "team.h"
 #include "vec_math.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -120,34 +121,81 @@ static Split plan_split(int64_t seqs, int64_t max_len, int64_t BS, int nt) {
     return sp;
 }
 
-/* Per thread: scores [G * BS] and q [H * D] (floats, each part a 16-float multiple). */
-static float *alloc_scratch(int64_t G, int64_t BS, int64_t H, int64_t D, int nt,
-                            size_t *scores_n, size_t *qf_n) {
-    size_t s, f, per, total;
-    if (__builtin_mul_overflow((size_t)G, (size_t)BS, &s) ||
-        __builtin_mul_overflow((size_t)H, (size_t)D, &f) ||
-        __builtin_add_overflow(s, (size_t)15, &s) || __builtin_add_overflow(f, (size_t)15, &f))
-        return NULL;
-    s &= ~(size_t)15;
-    f &= ~(size_t)15;
-    if (__builtin_add_overflow(f, s, &per) || __builtin_mul_overflow(per, (size_t)nt, &total) ||
-        __builtin_mul_overflow(total, sizeof(float), &total))
-        return NULL;
-    *scores_n = s;
-    *qf_n = f;
-    return aligned_alloc(64, total);
-}
-
 /* The partial result of one (sequence, KV head, run): m[G], l[G], acc[G * D]. */
 INLINE size_t partial_floats(int64_t G, int64_t D) { return (size_t)(G * (D + 2)); }
 
-/* partial_floats(G, D) * count floats, or NULL if that overflows or cannot be had. */
-static float *alloc_parts(int64_t G, int64_t D, int64_t count) {
-    size_t n;
-    if (__builtin_mul_overflow(partial_floats(G, D), (size_t)count, &n) ||
-        __builtin_mul_overflow(n, sizeof(float), &n))
-        return NULL;
-    return malloc(n ? n : 1);
+/* The arguments of paged_decode_* (team.h). threads: the team size scratch is laid out for
+ * (paged_decode_scratch); info: on an error, the sequence and column concerned. */
+typedef struct {
+    const void *q, *kv;
+    const int32_t *block_tables;
+    int64_t bt_stride, bt_cols;
+    const int32_t *seq_lens;
+    void *out;
+    int64_t B, H, NKV, D, BS, NB;
+    float scale;
+    int threads;
+    int64_t *info;
+    void *scratch;
+} DecodeArgs;
+
+/* Scratch, in caller memory: the claim counter (a cache line), per thread scores [G * BS] and
+ * q [H * D] (each a 16-float multiple), then the partial results of every work item. */
+typedef struct {
+    int64_t *next_item;
+    float *threads, *parts;
+    size_t scores_n, qf_n;
+} DecodeScratch;
+
+static DecodeScratch decode_scratch(int64_t G, int64_t BS, int64_t H, int64_t D, int nt,
+                                    void *base) {
+    DecodeScratch s;
+    s.scores_n = ((size_t)(G * BS) + 15) & ~(size_t)15;
+    s.qf_n = ((size_t)(H * D) + 15) & ~(size_t)15;
+    s.next_item = base;
+    s.threads = (float *)((char *)base + 64);
+    s.parts = s.threads + (s.scores_n + s.qf_n) * (size_t)nt;
+    return s;
+}
+
+/* Runs per sequence at most: plan_split takes ~2 per thread only below 2 * nt sequences. */
+static int64_t max_chunks(int64_t B, int nt) {
+    return B >= 2 * nt || B <= 0 ? 1 : (2 * nt + B - 1) / B;
+}
+
+/* Floats of one thread's scores and q, or 0 when that overflows. */
+static size_t per_thread_floats(int64_t G, int64_t BS, int64_t H, int64_t D) {
+    size_t s, f, per;
+    if (__builtin_mul_overflow((size_t)G, (size_t)BS, &s) ||
+        __builtin_mul_overflow((size_t)H, (size_t)D, &f) ||
+        __builtin_add_overflow(s, (size_t)15, &s) || __builtin_add_overflow(f, (size_t)15, &f) ||
+        __builtin_add_overflow(s & ~(size_t)15, f & ~(size_t)15, &per))
+        return 0;
+    return per;
+}
+
+/* Floats of `count` partial results, or 0 when that overflows. */
+static size_t parts_floats(int64_t G, int64_t D, int64_t count) {
+    size_t p, n;
+    if (__builtin_add_overflow((size_t)D, (size_t)2, &p) ||
+        __builtin_mul_overflow(p, (size_t)G, &p) ||
+        __builtin_mul_overflow(p, (size_t)count, &n))
+        return 0;
+    return n;
+}
+
+/* Bytes of scratch for a->threads threads, or -1 when that overflows. */
+int64_t paged_decode_scratch(const DecodeArgs *a) {
+    if (a->B <= 0 || a->H <= 0 || a->NKV <= 0 || a->D <= 0 || a->BS <= 0) return 64;
+    const int64_t G = a->H / a->NKV;
+    size_t t, total;
+    const size_t per = per_thread_floats(G, a->BS, a->H, a->D);
+    const size_t parts = parts_floats(G, a->D, a->B * a->NKV * max_chunks(a->B, a->threads));
+    if (!per || !parts || __builtin_mul_overflow(per, (size_t)a->threads, &t) ||
+        __builtin_add_overflow(t, parts, &total) ||
+        __builtin_mul_overflow(total, sizeof(float), &total) || total > (size_t)INT64_MAX - 64)
+        return -1;
+    return (int64_t)total + 64;
 }
 
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
@@ -205,7 +253,7 @@ INLINE void NAME##_fold(const T *q, const float *qf, const T *k, const T *v, int
                                                                                                \
 /* One work item: run c of sequence b, every KV head, into the partials of (b, kvh, c).         \
  * pf_next: the block to prefetch after this item's last (-1: none), pf_next_rows its rows. */ \
-INLINE void NAME##_run(const T *q, const T *kv, const T *vbase, const int32_t *table,         \
+INLINE void NAME##_item(const T *q, const T *kv, const T *vbase, const int32_t *table,         \
                        int64_t t0, int64_t t1, int64_t H, int64_t NKV, int64_t D, int64_t BS,  \
                        float scale, int64_t pf_next, int64_t pf_next_rows, float *scores,      \
                        float *qf, float *part0, size_t kvh_stride) {                           \
@@ -234,52 +282,53 @@ INLINE void NAME##_run(const T *q, const T *kv, const T *vbase, const int32_t *t
     }                                                                                          \
 }                                                                                              \
                                                                                                \
-INLINE void NAME##_run_d(const T *q, const T *kv, const T *vbase, const int32_t *table,       \
+INLINE void NAME##_item_d(const T *q, const T *kv, const T *vbase, const int32_t *table,       \
                          int64_t t0, int64_t t1, int64_t H, int64_t NKV, int64_t D, int64_t BS, \
                          float scale, int64_t pf_next, int64_t pf_next_rows, float *scores,    \
                          float *qf, float *part0, size_t kvh_stride) {                         \
     if (D == 64)                                                                               \
-        NAME##_run(q, kv, vbase, table, t0, t1, H, NKV, 64, BS, scale, pf_next, pf_next_rows, \
+        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, 64, BS, scale, pf_next, pf_next_rows, \
                    scores, qf, part0, kvh_stride);                                             \
     else if (D == 128)                                                                         \
-        NAME##_run(q, kv, vbase, table, t0, t1, H, NKV, 128, BS, scale, pf_next, pf_next_rows, \
+        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, 128, BS, scale, pf_next, pf_next_rows, \
                    scores, qf, part0, kvh_stride);                                             \
     else                                                                                       \
-        NAME##_run(q, kv, vbase, table, t0, t1, H, NKV, D, BS, scale, pf_next, pf_next_rows,  \
+        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, D, BS, scale, pf_next, pf_next_rows,  \
                    scores, qf, part0, kvh_stride);                                             \
 }                                                                                              \
                                                                                                \
-int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride,             \
-         int64_t bt_cols, const int32_t *seq_lens, T *out, int64_t B, int64_t H, int64_t NKV,  \
-         int64_t D, int64_t BS, int64_t NB, float scale, int64_t *info) {                      \
-    int64_t max_len = 0;                                                                       \
-    const int rc = check_inputs(block_tables, bt_stride, bt_cols, seq_lens, B, H, NKV, D, BS,  \
-                                NB, info, &max_len);                                           \
+int NAME##_team(const DecodeArgs *a) {                                                        \
+    const int64_t B = a->B, H = a->H, NKV = a->NKV, D = a->D, BS = a->BS, NB = a->NB;           \
+    const int64_t bt_stride = a->bt_stride;                                                    \
+    const int32_t *block_tables = a->block_tables, *seq_lens = a->seq_lens;                    \
+    int64_t max_len = 0, info[2];                                                              \
+    const int rc = check_inputs(block_tables, bt_stride, a->bt_cols, seq_lens, B, H, NKV, D,   \
+                                BS, NB, info, &max_len);                                       \
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();                          \
+    if (tid == 0 && a->info) { a->info[0] = info[0]; a->info[1] = info[1]; }                  \
     if (rc != PD_OK || B == 0) return rc;                                                      \
+    if (nt > a->threads) return PD_ERR_ALLOC;   /* scratch is for a->threads threads */       \
     const int64_t G = H / NKV, pairs = B * NKV;                                                \
+    const T *q = a->q, *kv = a->kv;                                                            \
+    T *out = a->out;                                                                           \
+    const float scale = a->scale;                                                              \
     const T *vbase = kv + NB * NKV * BS * D;                                                   \
-    const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;                      \
     const Split sp = plan_split(B, max_len, BS, nt);                                           \
     const int64_t items = B * sp.chunks;                                                       \
-    /* scratch for every thread and every partial result, taken before the parallel region: \
-     * a failed allocation returns here, never inside the OpenMP team */                      \
-    size_t scores_n, qf_n;                                                                     \
-    float *scratch = alloc_scratch(G, BS, H, D, nt, &scores_n, &qf_n);                         \
-    float *parts = scratch ? alloc_parts(G, D, pairs * sp.chunks) : NULL;                      \
-    if (!scratch || !parts) { free(scratch); free(parts); return PD_ERR_ALLOC; }               \
-    const size_t per_thread = scores_n + qf_n, per_part = partial_floats(G, D);                \
-    int64_t next_item = 0;   /* items are claimed in order from this counter, one ahead */    \
-    _Pragma("omp parallel num_threads(nt)")                                                    \
+    DecodeScratch sc = decode_scratch(G, BS, H, D, a->threads, a->scratch);                    \
+    const size_t per_thread = sc.scores_n + sc.qf_n, per_part = partial_floats(G, D);          \
+    _Pragma("omp single")                                                                      \
+    *sc.next_item = 0;   /* items are claimed in order from this counter, one ahead */       \
     {                                                                                          \
-        float *scores = scratch + (size_t)omp_get_thread_num() * per_thread;                   \
-        float *qf = scores + scores_n;                                                         \
-        int64_t item = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);                    \
+        float *scores = sc.threads + (size_t)tid * per_thread;                                 \
+        float *qf = scores + sc.scores_n;                                                      \
+        int64_t item = __atomic_fetch_add(sc.next_item, 1, __ATOMIC_RELAXED);                  \
         while (item < items) {                                                                 \
-            const int64_t following = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);     \
+            const int64_t following = __atomic_fetch_add(sc.next_item, 1, __ATOMIC_RELAXED);   \
             const int64_t b = item / sp.chunks, c = item % sp.chunks, L = seq_lens[b];         \
             const int64_t t0 = c * sp.chunk_blocks * BS;                                       \
             const int64_t t1 = t0 + sp.chunk_blocks * BS < L ? t0 + sp.chunk_blocks * BS : L;  \
-            float *part0 = parts + (size_t)(b * NKV * sp.chunks + c) * per_part;               \
+            float *part0 = sc.parts + (size_t)(b * NKV * sp.chunks + c) * per_part;            \
             const size_t kvh_stride = (size_t)sp.chunks * per_part;                            \
             for (int64_t kvh = 0; kvh < NKV; ++kvh) {  /* empty: m = -inf, l = 0, acc = 0 */   \
                 float *part = part0 + (size_t)kvh * kvh_stride;                                \
@@ -296,18 +345,18 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
                 }                                                                              \
             }                                                                                  \
             if (t0 < t1)                                                                       \
-                NAME##_run_d(q + b * H * D, kv, vbase, block_tables + b * bt_stride, t0, t1,   \
+                NAME##_item_d(q + b * H * D, kv, vbase, block_tables + b * bt_stride, t0, t1,   \
                              H, NKV, D, BS, scale, pf_next, pf_next_rows, scores, qf, part0,   \
                              kvh_stride);                                                      \
             item = following;                                                                  \
         }                                                                                      \
         _Pragma("omp barrier")   /* every partial is written */                                \
         /* merge each (sequence, KV head)'s runs */                                            \
-        _Pragma("omp for schedule(static)")                                                    \
+        _Pragma("omp for schedule(static) nowait")                                             \
         for (int64_t pair = 0; pair < pairs; ++pair) {                                         \
             const int64_t b = pair / NKV, kvh = pair % NKV;                                    \
             T *op = out + (b * H + kvh * G) * D;                                               \
-            const float *first = parts + (size_t)(pair * sp.chunks) * per_part;                \
+            const float *first = sc.parts + (size_t)(pair * sp.chunks) * per_part;             \
             for (int64_t g = 0; g < G; ++g) {                                                  \
                 float mx = -INFINITY;                                                          \
                 for (int64_t c = 0; c < sp.chunks; ++c) {                                      \
@@ -331,9 +380,13 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    free(parts);                                                                               \
-    free(scratch);                                                                             \
     return PD_OK;                                                                              \
+}                                                                                              \
+                                                                                               \
+int NAME##_run(DecodeArgs *a) {                                                               \
+    a->threads = team_threads();                                                               \
+    return TEAM_RUN_WITH_SCRATCH(NAME##_team, a, paged_decode_scratch(a), a->threads, 0,      \
+                                 PD_ERR_ALLOC);                                                \
 }
 
 #if VEC_QK
@@ -363,40 +416,69 @@ static int check_queries(const int32_t *qsl, const int32_t *seq_lens, int64_t B,
 /* Paged-attention prefill: every query token of every sequence, causal. A query at position p
  * (its sequence's cached context plus its index among the query tokens) attends to keys
  * 0 .. p, which is the decode of one token over a sequence of length p + 1: each token is a
- * work item run by the decode's arithmetic (DEC##_run_d) over its sequence's blocks, read in
+ * work item run by the decode's arithmetic (DEC##_item_d) over its sequence's blocks, read in
  * place, and normalized as soon as it is done. Tokens go to the threads 8 at a time in order,
  * so a thread's tokens share their sequence's K/V (kept in its L2). Inputs are checked first
  * as the decode's (check_inputs) plus query_start_loc (check_queries); scratch for every
  * thread is taken before the parallel region. */
+typedef struct {
+    const void *q, *kv;
+    const int32_t *block_tables;
+    int64_t bt_stride, bt_cols;
+    const int32_t *seq_lens, *query_start_loc;
+    void *out;
+    int64_t B, NT, H, NKV, D, BS, NB;
+    float scale;
+    int threads;
+    int64_t *info;
+    void *scratch;
+} PrefillArgs;
+
+/* Scratch: the decode's per-thread part, each thread's partials of its token (NKV of them),
+ * then each query token's sequence (int32). */
+int64_t paged_prefill_scratch(const PrefillArgs *a) {
+    if (a->H <= 0 || a->NKV <= 0 || a->D <= 0 || a->BS <= 0 || a->NT < 0) return 64;
+    const int64_t G = a->H / a->NKV;
+    const size_t per = per_thread_floats(G, a->BS, a->H, a->D);
+    const size_t parts = parts_floats(G, a->D, a->NKV);
+    size_t total;
+    if (!per || !parts || __builtin_add_overflow(per, parts, &total) ||
+        __builtin_mul_overflow(total, (size_t)a->threads, &total) ||
+        __builtin_mul_overflow(total, sizeof(float), &total) ||
+        __builtin_add_overflow(total, sizeof(int32_t) * (size_t)a->NT + 64, &total) ||
+        total > (size_t)INT64_MAX)
+        return -1;
+    return (int64_t)total;
+}
+
 #define DEFINE_PREFILL(NAME, DEC, T, STORE)                                                    \
-int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride,             \
-         int64_t bt_cols, const int32_t *seq_lens, const int32_t *query_start_loc, T *out,      \
-         int64_t B, int64_t NT, int64_t H, int64_t NKV, int64_t D, int64_t BS, int64_t NB,      \
-         float scale, int64_t *info) {                                                         \
-    int64_t max_len = 0;                                                                       \
-    int rc = check_inputs(block_tables, bt_stride, bt_cols, seq_lens, B, H, NKV, D, BS, NB,    \
-                          info, &max_len);                                                     \
-    if (rc != PD_OK) return rc;                                                                \
-    if (NT < 0) return PD_ERR_SHAPE;                                                           \
-    rc = check_queries(query_start_loc, seq_lens, B, NT, info);                                \
+int NAME##_team(const PrefillArgs *a) {                                                        \
+    const int64_t B = a->B, NT = a->NT, H = a->H, NKV = a->NKV, D = a->D, BS = a->BS;          \
+    const int32_t *block_tables = a->block_tables, *seq_lens = a->seq_lens;                    \
+    const int32_t *query_start_loc = a->query_start_loc;                                       \
+    int64_t max_len = 0, info[2];                                                              \
+    int rc = check_inputs(block_tables, a->bt_stride, a->bt_cols, seq_lens, B, H, NKV, D, BS,  \
+                          a->NB, info, &max_len);                                              \
+    if (rc == PD_OK && NT < 0) rc = PD_ERR_SHAPE;                                              \
+    if (rc == PD_OK) rc = check_queries(query_start_loc, seq_lens, B, NT, info);               \
+    const int tid = omp_get_thread_num();                                                      \
+    if (tid == 0 && a->info) { a->info[0] = info[0]; a->info[1] = info[1]; }                  \
     if (rc != PD_OK || NT == 0) return rc;                                                     \
+    if (omp_get_num_threads() > a->threads) return PD_ERR_ALLOC;                               \
     const int64_t G = H / NKV;                                                                 \
-    const T *vbase = kv + NB * NKV * BS * D;                                                   \
-    const int nt = omp_get_max_threads() > 0 ? omp_get_max_threads() : 1;                      \
-    size_t scores_n, qf_n;                                                                     \
-    float *scratch = alloc_scratch(G, BS, H, D, nt, &scores_n, &qf_n);                         \
-    float *parts = scratch ? alloc_parts(G, D, NKV * nt) : NULL;                               \
-    int32_t *tok_seq = parts ? malloc(sizeof(int32_t) * (size_t)NT) : NULL;                    \
-    if (!tok_seq) { free(scratch); free(parts); return PD_ERR_ALLOC; }                         \
+    const T *q = a->q, *kv = a->kv;                                                            \
+    T *out = a->out;                                                                           \
+    const T *vbase = kv + a->NB * NKV * BS * D;                                                \
+    DecodeScratch sc = decode_scratch(G, BS, H, D, a->threads, a->scratch);                    \
+    const size_t per_thread = sc.scores_n + sc.qf_n, per_part = partial_floats(G, D);          \
+    int32_t *tok_seq = (int32_t *)(sc.parts + per_part * (size_t)(NKV * a->threads));          \
+    _Pragma("omp single")                                                                      \
     for (int64_t b = 0; b < B; ++b)                                                            \
         for (int64_t t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) tok_seq[t] = (int32_t)b; \
-    const size_t per_thread = scores_n + qf_n, per_part = partial_floats(G, D);                \
-    _Pragma("omp parallel num_threads(nt)")                                                    \
     {                                                                                          \
-        const int tid = omp_get_thread_num();                                                  \
-        float *scores = scratch + (size_t)tid * per_thread, *qf = scores + scores_n;           \
-        float *part0 = parts + (size_t)tid * (size_t)NKV * per_part;                           \
-        _Pragma("omp for schedule(dynamic, 8)")                                                \
+        float *scores = sc.threads + (size_t)tid * per_thread, *qf = scores + sc.scores_n;     \
+        float *part0 = sc.parts + (size_t)tid * (size_t)NKV * per_part;                        \
+        _Pragma("omp for schedule(dynamic, 8) nowait")                                         \
         for (int64_t t = 0; t < NT; ++t) {                                                     \
             const int64_t b = tok_seq[t], first = query_start_loc[b];                          \
             const int64_t pos = seq_lens[b] - (query_start_loc[b + 1] - first) + (t - first);  \
@@ -405,8 +487,8 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
                 for (int64_t g = 0; g < G; ++g) part[g] = -INFINITY;                           \
                 memset(part + G, 0, sizeof(float) * (size_t)(G * (D + 1)));                    \
             }                                                                                  \
-            DEC##_run_d(q + t * H * D, kv, vbase, block_tables + b * bt_stride, 0, pos + 1, H,  \
-                        NKV, D, BS, scale, -1, 0, scores, qf, part0, per_part);                \
+            DEC##_item_d(q + t * H * D, kv, vbase, block_tables + b * a->bt_stride, 0, pos + 1, \
+                        H, NKV, D, BS, a->scale, -1, 0, scores, qf, part0, per_part);           \
             for (int64_t kvh = 0; kvh < NKV; ++kvh) {                                          \
                 const float *part = part0 + (size_t)kvh * per_part;                            \
                 for (int64_t g = 0; g < G; ++g) {                                              \
@@ -418,10 +500,13 @@ int NAME(const T *q, const T *kv, const int32_t *block_tables, int64_t bt_stride
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    free(tok_seq);                                                                             \
-    free(parts);                                                                               \
-    free(scratch);                                                                             \
     return PD_OK;                                                                              \
+}                                                                                              \
+                                                                                               \
+int NAME##_run(PrefillArgs *a) {                                                               \
+    a->threads = team_threads();                                                               \
+    return TEAM_RUN_WITH_SCRATCH(NAME##_team, a, paged_prefill_scratch(a), a->threads, 0,     \
+                                 PD_ERR_ALLOC);                                                \
 }
 
 DEFINE_PREFILL(paged_prefill_f32, paged_decode_f32, float, f32_id)

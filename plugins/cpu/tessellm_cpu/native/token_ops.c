@@ -32,6 +32,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "team.h"
 #include "vec_math.h"
 
 enum { RK_OK = 0, RK_ERR_POSITION = 1, RK_ERR_SLOT = 2, RK_ERR_SHAPE = 3 };
@@ -65,28 +66,67 @@ static int check_positions(const int64_t *pos, int64_t T, int64_t P) {
 #define BF16_ROUND(x) bf16_to_f32(f32_to_bf16(x))
 
 /* elem: bytes per element (4 or 2: the cache has the activations' dtype) */
-int write_kv(const uint8_t *k, int64_t k_stride, const uint8_t *v, int64_t v_stride,
-             const int64_t *slots, int64_t T, uint8_t *cache, int64_t NB, int64_t HK,
-             int64_t BS, int64_t D, int64_t elem) {
-    if (elem != 2 && elem != 4) return RK_ERR_SHAPE;
+typedef struct {
+    const uint8_t *k;
+    int64_t k_stride;
+    const uint8_t *v;
+    int64_t v_stride;
+    const int64_t *slots;
+    int64_t T;
+    uint8_t *cache;
+    int64_t NB, HK, BS, D, elem;
+} WriteKVArgs;
+
+int write_kv_team(const WriteKVArgs *a) {
+    if (a->elem != 2 && a->elem != 4) return RK_ERR_SHAPE;
+    const int64_t T = a->T, BS = a->BS, HK = a->HK;
     for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= NB * BS) return RK_ERR_SLOT;
-    const int64_t row = D * elem, half = NB * HK * BS * D * elem;
+        if (a->slots[t] >= a->NB * BS) return RK_ERR_SLOT;
+    const int64_t row = a->D * a->elem, half = a->NB * HK * BS * a->D * a->elem;
     /* a step's tokens own distinct slots, so threads never write the same row */
-#pragma omp parallel for schedule(static) if (T * HK * D >= PARALLEL_MIN)
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < T; t++) {
-        const int64_t s = slots[t];
+        const int64_t s = a->slots[t];
         if (s < 0) continue;
         const int64_t blk = s / BS, off = s % BS;
         for (int64_t h = 0; h < HK; h++) {
             const int64_t dst = ((blk * HK + h) * BS + off) * row;
-            memcpy(cache + dst, k + t * k_stride * elem + h * row, (size_t)row);
-            memcpy(cache + half + dst, v + t * v_stride * elem + h * row, (size_t)row);
+            memcpy(a->cache + dst, a->k + t * a->k_stride * a->elem + h * row, (size_t)row);
+            memcpy(a->cache + half + dst, a->v + t * a->v_stride * a->elem + h * row,
+                   (size_t)row);
         }
     }
     return RK_OK;
 }
 
+int write_kv_run(const WriteKVArgs *a) {
+    return team_run((TeamKernel)write_kv_team, a, team_threads(),
+                    a->T * a->HK * a->D < PARALLEL_MIN);
+}
+
+/* select_rows: out[r] = x[index[r]] for R rows of `row_bytes` (x rows `x_stride` bytes apart,
+ * N of them; out contiguous). An index outside [0, N) is RK_ERR_POSITION (nothing written). */
+typedef struct {
+    const uint8_t *x;
+    int64_t x_stride, N;
+    const int64_t *index;
+    int64_t R, row_bytes;
+    uint8_t *out;
+} SelectRowsArgs;
+
+int select_rows_team(const SelectRowsArgs *a) {
+    for (int64_t r = 0; r < a->R; r++)
+        if (a->index[r] < 0 || a->index[r] >= a->N) return RK_ERR_POSITION;
+#pragma omp for schedule(static) nowait
+    for (int64_t r = 0; r < a->R; r++)
+        memcpy(a->out + r * a->row_bytes, a->x + a->index[r] * a->x_stride, (size_t)a->row_bytes);
+    return RK_OK;
+}
+
+int select_rows_run(const SelectRowsArgs *a) {
+    return team_run((TeamKernel)select_rows_team, a, team_threads(),
+                    a->R * a->row_bytes < 4 * PARALLEL_MIN);
+}
 
 /* silu_and_mul_*: y[t, j] = round(silu(x[t, j])) * x[t, F + j] for rows of 2F (rows of any
  * stride), rounded once more: the reference's two rounding points (silu in float32 math). */
@@ -166,18 +206,31 @@ static inline __m512 vround_bf16(__m512 v) {
                 }
 #endif
 
+typedef struct {
+    const int64_t *pos;
+    int64_t T;
+    const void *q;
+    int64_t q_stride, HQ;
+    const void *k;
+    int64_t k_stride, HK;
+    const float *cos_sin;
+    int64_t P, D;
+    void *q_out, *k_out;
+} RotaryArgs;
+
 #define ROTARY(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                       \
-int NAME(const int64_t *pos, int64_t T, const TYPE *q, int64_t q_stride, int64_t HQ,         \
-         const TYPE *k, int64_t k_stride, int64_t HK, const float *cos_sin, int64_t P,        \
-         int64_t D, TYPE *q_out, TYPE *k_out) {                                               \
+int NAME##_team(const RotaryArgs *a) {                                                        \
+    const int64_t T = a->T, D = a->D, HQ = a->HQ, HK = a->HK;                                 \
     if (D <= 0 || D % 2) return RK_ERR_SHAPE;                                                 \
-    if (check_positions(pos, T, P)) return RK_ERR_POSITION;                                   \
+    if (check_positions(a->pos, T, a->P)) return RK_ERR_POSITION;                             \
     const int64_t half = D / 2;                                                               \
-    _Pragma("omp parallel for schedule(static) if (T * (HQ + HK) * D >= PARALLEL_MIN)")       \
+    const TYPE *q = a->q, *k = a->k;                                                          \
+    TYPE *q_out = a->q_out, *k_out = a->k_out;                                                \
+    _Pragma("omp for schedule(static) nowait")                                                \
     for (int64_t t = 0; t < T; t++) {                                                         \
-        const float *cs = cos_sin + pos[t] * D;                                               \
+        const float *cs = a->cos_sin + a->pos[t] * D;                                         \
         for (int which = 0; which < 2; which++) {                                             \
-            const TYPE *src = which ? k + t * k_stride : q + t * q_stride;                    \
+            const TYPE *src = which ? k + t * a->k_stride : q + t * a->q_stride;              \
             TYPE *dst = which ? k_out + t * HK * D : q_out + t * HQ * D;                      \
             const int64_t heads = which ? HK : HQ;                                            \
             for (int64_t h = 0; h < heads; h++) {                                             \
@@ -188,6 +241,10 @@ int NAME(const int64_t *pos, int64_t T, const TYPE *q, int64_t q_stride, int64_t
         }                                                                                     \
     }                                                                                         \
     return RK_OK;                                                                             \
+}                                                                                             \
+int NAME##_run(const RotaryArgs *a) {                                                         \
+    return team_run((TeamKernel)NAME##_team, a, team_threads(),                               \
+                    a->T * (a->HQ + a->HK) * a->D < PARALLEL_MIN);                            \
 }
 
 ROTARY(rotary_f32, float, ID, ID, ID, f32)
@@ -242,32 +299,61 @@ ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
             o[j] = STORE(LOAD(w[j]) * ROUND(LOAD(src[j]) * inv));
 #endif
 
+typedef struct {
+    const void *x;
+    int64_t x_stride;
+    const void *res;
+    int64_t res_stride;
+    const void *w;
+    int64_t T, H;
+    float eps;
+    void *out, *summed;
+} RmsNormArgs;
+
 #define RMS_NORM(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                     \
-int NAME(const TYPE *x, int64_t x_stride, const TYPE *res, int64_t res_stride,              \
-         const TYPE *w, int64_t T, int64_t H, float eps, TYPE *out, TYPE *summed) {          \
+int NAME##_team(const RmsNormArgs *a) {                                                      \
+    const int64_t T = a->T, H = a->H, x_stride = a->x_stride, res_stride = a->res_stride;    \
     if (H <= 0) return RK_ERR_SHAPE;                                                         \
-    _Pragma("omp parallel for schedule(static) if (T * H >= PARALLEL_MIN)")                  \
+    const TYPE *x = a->x, *res = a->res, *w = a->w;                                          \
+    TYPE *out = a->out, *summed = a->summed;                                                 \
+    const float eps = a->eps;                                                                \
+    _Pragma("omp for schedule(static) nowait")                                               \
     for (int64_t t = 0; t < T; t++) {                                                        \
         const TYPE *xr = x + t * x_stride;                                                   \
         TYPE *sr = summed ? summed + t * H : 0;                                              \
         RMS_ROW(TYPE, LOAD, STORE, ROUND, SUFFIX)                                            \
     }                                                                                        \
     return RK_OK;                                                                            \
+}                                                                                            \
+int NAME##_run(const RmsNormArgs *a) {                                                       \
+    return team_run((TeamKernel)NAME##_team, a, team_threads(), a->T * a->H < PARALLEL_MIN); \
 }
 
 RMS_NORM(rms_norm_f32, float, ID, ID, ID, f32)
 RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
 
+typedef struct {
+    const void *x;
+    int64_t x_stride, T, F;
+    void *out;
+} SiluAndMulArgs;
+
 #define SILU_AND_MUL(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                 \
-int NAME(const TYPE *x, int64_t x_stride, int64_t T, int64_t F, TYPE *out) {                \
+int NAME##_team(const SiluAndMulArgs *args) {                                                   \
+    const int64_t T = args->T, F = args->F;                                                        \
     if (F <= 0) return RK_ERR_SHAPE;                                                         \
-    _Pragma("omp parallel for schedule(static) if (T * F >= PARALLEL_MIN)")                  \
+    const TYPE *x = args->x;                                                                    \
+    TYPE *out = args->out;                                                                      \
+    _Pragma("omp for schedule(static) nowait")                                               \
     for (int64_t t = 0; t < T; t++) {                                                        \
-        const TYPE *a = x + t * x_stride, *b = a + F;                                        \
+        const TYPE *a = x + t * args->x_stride, *b = a + F;                                   \
         TYPE *y = out + t * F;                                                               \
         SILU_VEC(SUFFIX, LOAD, STORE, ROUND)                                                 \
     }                                                                                        \
     return RK_OK;                                                                            \
+}                                                                                            \
+int NAME##_run(const SiluAndMulArgs *a) {                                                    \
+    return team_run((TeamKernel)NAME##_team, a, team_threads(), a->T * a->F < PARALLEL_MIN); \
 }
 
 SILU_AND_MUL(silu_and_mul_f32, float, ID, ID, ID, f32)
