@@ -37,8 +37,8 @@ def mha_dir(tmp_path_factory, stories_dir) -> Path:
 
 
 def _llm(model: Path, eager: bool, **options) -> LLM:
-    return LLM(str(model), enforce_eager=eager, max_num_seqs=6, load_progress=False,
-               kernel_selection="first", **options)
+    options = {"kernel_selection": "first", **options}
+    return LLM(str(model), enforce_eager=eager, max_num_seqs=6, load_progress=False, **options)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -58,6 +58,11 @@ CASES = {
     "fp32 packed q4_0, int8 activations": dict(dtype="float32", quantization="q4_0",
                                               packed_activations="q8_0"),
     "bf16 packed q8_0": dict(dtype="bfloat16", quantization="q8_0"),
+    # torch kernels in the step: Python nodes, the KV write's side effect among them
+    "fp32 packed, torch KV write and silu": dict(
+        dtype="float32", quantization="q8_0",
+        kernel_selection={"write_kv_cache": "write_kv_index_copy",
+                          "silu_and_mul": "silu_and_mul_chunk"}),
 }
 
 
@@ -180,3 +185,55 @@ def test_enforce_eager_records_nothing(stories_dir):
     llm = _llm(stories_dir, True, dtype="float32")
     _generate(llm)
     assert llm.engine.runner.graph_sizes == [] and not _programs(llm)
+
+
+def test_a_failed_allocation_while_recording_fails_its_step_only(stories_dir, monkeypatch):
+    """A recording whose scratch cannot be had fails that step; the next step records."""
+    from tessellm_cpu.native_program import ProgramBuilder
+    good = _generate(_llm(stories_dir, True, dtype="float32", quantization="q8_0"))
+    llm = _llm(stories_dir, False, dtype="float32", quantization="q8_0")
+    real_scratch = ProgramBuilder.scratch
+    calls = {"n": 0}
+
+    def scarce(self, nbytes):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise MemoryError("injected: no scratch memory")
+        return real_scratch(self, nbytes)
+    monkeypatch.setattr(ProgramBuilder, "scratch", scarce)
+    with pytest.raises(StepError, match="no scratch memory"):
+        _generate(llm)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    assert _generate(llm) == good
+
+
+def test_no_thread_is_left_spinning_after_shutdown(stories_dir):
+    """Engines with native programs come and go: the process keeps no more threads than the
+    OpenMP team it had, and once they are shut down no CPU time is spent (libgomp's team
+    spins a while at the end of a region, then sleeps)."""
+    import gc
+    import os
+    import time
+
+    def threads() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines()
+                        if line.startswith("Threads:")).split()[1])
+
+    def cpu_seconds() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    with _llm(stories_dir, False, dtype="float32", quantization="q8_0") as llm:
+        _generate(llm)
+    gc.collect()
+    before = threads()
+    for _ in range(3):
+        with _llm(stories_dir, False, dtype="float32", quantization="q8_0") as llm:
+            _generate(llm)
+        gc.collect()
+    assert threads() <= before
+    time.sleep(0.5)
+    t0 = cpu_seconds()
+    time.sleep(1.0)
+    assert cpu_seconds() - t0 < 0.1

@@ -5,7 +5,9 @@ on stderr (tqdm; hidden when stderr is not a terminal, so piped JSON stays clean
 
 A plot holds one panel per figure family of the result: the timed runs and their median
 (throughput: generated tok/s; latency: prefill and decode tok/s), serving percentiles (TTFT and
-TPOT p50/p90/p99), and, when the result has a profile, milliseconds per step by op kind.
+TPOT p50/p90/p99), and, when the result has a profile, milliseconds per step by op kind (a
+compiled step's kernels) beside its host time (crossings, barriers, and the engine's stages
+outside the forward pass: scheduling, inputs, sampling, bookkeeping).
 """
 from __future__ import annotations
 
@@ -82,8 +84,16 @@ def plot_result(result: dict[str, Any], target: Path) -> Path:
         ax.set_ylabel("ms")
     if ops:
         ax = next(panels)
+        profile = result["profile"]
+        host = {f"host: {k}": v for k, v in (profile.get("host_ms_per_step") or {}).items()}
+        host.update({f"host: {k}": v for k, v in (profile.get("stages_ms_per_step") or {}).items()
+                     if k != "execute" and v})
         kinds = list(ops)[::-1]   # the report sorts by time; the largest goes on top
-        ax.barh(kinds, [ops[k]["ms_per_step"] for k in kinds], color="#f58518")
+        ax.barh(kinds, [ops[k]["ms_per_step"] for k in kinds], color="#f58518", label="kernels")
+        if host:
+            names = sorted(host, key=host.get)
+            ax.barh(names, [host[k] for k in names], color="#9d9da1", label="host")
+            ax.legend(loc="lower right", fontsize=7)
         ax.set_title("where a step goes")
         ax.set_xlabel("ms per step")
         ax.tick_params(axis="y", labelsize=7)

@@ -84,6 +84,14 @@ class KernelSite:
             self._last_fn, self._last_rows = self.fn_for(rows), rows
         return self._last_fn(*args)
 
+    def kernels_for(self, *args: Any) -> tuple[Kernel, ...]:
+        """The kernel a call with `args` runs (bound now if its bucket is new): what a device
+        recording the plan (PlanTracer) checks before it records the call."""
+        bucket = token_bucket(args[0].shape[0])
+        if bucket not in self._kernels:
+            self._bind(bucket)
+        return (self._kernels[bucket],)
+
     def choose(self, num_tokens: int) -> tuple[str, str]:
         """Select (profiling if needed) the kernel of a bucket now: (bucket key, kernel)."""
         bucket = token_bucket(num_tokens)
@@ -166,6 +174,15 @@ class AttentionSite:
         self._meta: AttentionMetadata | None = None
         self._parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
+    def kernels_for(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float
+                    ) -> tuple[Kernel, ...] | None:
+        """The kernels a call runs (KernelSite.kernels_for); None for a step with both decodes
+        and prefills, which also concatenates their outputs."""
+        if meta.num_prefills and meta.num_decodes:
+            return None
+        attend = self.decode if meta.num_prefills == 0 else self.prefill
+        return self.write.kernels_for(k) + attend.kernels_for(q)
+
     def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         self.write(k, v, kv_cache, meta.slot_mapping)
         if meta.num_prefills == 0:
@@ -245,6 +262,10 @@ class CollectiveSite:
             self._call = comm.all_reduce
         else:
             self._call = lambda x: comm.all_gather(x, -1)
+
+    def kernels_for(self, x: torch.Tensor) -> None:
+        """None: a collective is more than kernels (it talks to the other ranks)."""
+        return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(x)

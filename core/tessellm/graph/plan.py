@@ -47,7 +47,11 @@ class BindingClock:
 
 
 class PlanTracer(Protocol):
-    """What `ExecutionPlan.trace` runs a plan through (a device recording it)."""
+    """What `ExecutionPlan.trace` runs a plan through (a device recording it). An
+    instruction's `fn` that runs kernels says which: `fn.kernels_for(*args)` gives the
+    Kernels a call with those arguments runs (in order), or None when the call does more
+    than run kernels (a collective, or an attention step that also concatenates); an `fn`
+    without it is a structural function (views, splits, row selection: no side effects)."""
 
     def call(self, ins: Instruction, args: tuple[Any, ...]) -> Any:
         """Run `ins` on `args` (normally `ins.fn(*args)`); its result is stored."""

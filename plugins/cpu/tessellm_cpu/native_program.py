@@ -45,6 +45,7 @@ import torch
 
 from tessellm.plugin_api import ExecutionPlan, graph_ops
 from tessellm_cpu.native_build import build_library, entry_point
+from tessellm_cpu.native_team import TeamKernelC
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,16 @@ class ProgramRecorder:
     @property
     def active(self) -> "ProgramBuilder | None":
         return getattr(self._local, "builder", None)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No builder for the calls inside (they run eagerly); the recording goes on after."""
+        builder = self.active
+        self._local.builder = None
+        try:
+            yield
+        finally:
+            self._local.builder = builder
 
     @contextmanager
     def recording(self, builder: "ProgramBuilder") -> Iterator[None]:
@@ -162,8 +173,10 @@ class ProgramBuilder:
     """A PlanTracer that records the plan for one step shape (see the module docstring)."""
 
     def __init__(self, runner: ProgramRunner, feeds: dict[str, Any],
-                 select_rows: Callable[..., Any] | None) -> None:
+                 select_rows: Callable[..., Any] | None,
+                 recorder: "ProgramRecorder | None" = None) -> None:
         self.runner = runner
+        self.recorder = recorder
         self.threads = runner.default_threads()
         self.feeds = feeds
         self._feed_ids = {id(v): k for k, v in feeds.items()}
@@ -213,17 +226,31 @@ class ProgramBuilder:
     # -- PlanTracer -------------------------------------------------------------------------
     def call(self, ins: Any, args: tuple[Any, ...]) -> Any:
         start, first_buffer, self._declined = len(self.calls), len(self.buffers), None
+        why = None
+        kernels_for = getattr(ins.fn, "kernels_for", None)
+        kernels = None if kernels_for is None else kernels_for(*args)
         if ins.fn is graph_ops.select_rows and self._select_rows is not None:
             out = self._select_rows(*args)
+        elif kernels_for is not None and (kernels is None or not all(
+                isinstance(k.fn, TeamKernelC) for k in kernels)):
+            # a torch kernel, a collective: the whole call replays in Python (nothing of it
+            # is recorded, so a side effect such as a KV write is never lost)
+            why = "runs a kernel that is not a native team kernel" if kernels is not None \
+                else "does more than run kernels"
+            with self.recorder_paused():
+                out = ins.fn(*args)
         else:
             out = ins.fn(*args)
+            if kernels is not None and self._declined is None \
+                    and len(self.calls) - start != len(kernels):
+                why = f"ran {len(self.calls) - start} native nodes for {len(kernels)} kernels"
         outs = _tensors(out)
         internal = [self._find(t.data_ptr()) for t in outs]
-        why = self._declined
+        why = why or self._declined
         if why is None and any(b is None for b in internal):
             if len(self.calls) == start and all(self._is_view_of_input(t, args) for t, b
                                                 in zip(outs, internal) if b is None):
-                pass   # views of stable inputs (weights, feeds): nothing to replay
+                pass   # a structural view of stable inputs (weights, feeds): nothing to replay
             else:
                 why = "returns tensors no native kernel wrote"
         if why is not None:
@@ -250,6 +277,15 @@ class ProgramBuilder:
                 b.refs -= 1
                 if b.refs == 0:
                     b.death = self.clock
+
+    @contextmanager
+    def recorder_paused(self) -> Iterator[None]:
+        """Kernels called inside run eagerly (the instruction replays in Python)."""
+        if self.recorder is None:
+            yield
+            return
+        with self.recorder.paused():
+            yield
 
     # -- internals ----------------------------------------------------------------------------
     def _register(self, t: torch.Tensor) -> Buffer:
@@ -438,7 +474,7 @@ def record_program(plan: ExecutionPlan, feeds: dict[str, Any], recorder: Program
                    ) -> tuple[NativeProgram, Any]:
     """Run the plan once while recording it; returns the program and this step's output."""
     generation = plan.kernel_generation
-    builder = ProgramBuilder(runner, feeds, select_rows)
+    builder = ProgramBuilder(runner, feeds, select_rows, recorder)
     with recorder.recording(builder):
         output = plan.trace(feeds, builder)
     if plan.kernel_generation != generation:
