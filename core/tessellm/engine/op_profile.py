@@ -30,6 +30,13 @@ class _Timed:
     def __init__(self, fn: Callable[..., Any], kind: str, profile: "OpProfile") -> None:
         self.fn, self.kind, self.profile = fn, kind, profile
 
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:   # what a recording keeps (functools' rule)
+        return self.fn
+
+    def __getattr__(self, name: str) -> Any:   # the site's own API (kernels_for, op, ...)
+        return getattr(self.fn, name)
+
     def __call__(self, *args: Any) -> Any:
         p = self.profile
         p.synchronize()
@@ -75,10 +82,9 @@ class OpProfile:
             else:
                 kind = ins.fn.op if isinstance(ins.fn, KernelSite) else STRUCTURAL
                 self._wrap_attr(ins, "fn", kind)
-        for compiled in self.engine.runner.shapes.compiled():
-            if hasattr(compiled, "profile_sink"):
-                compiled.profile_sink = self
-                self._restore.append(lambda c=compiled: setattr(c, "profile_sink", None))
+        shapes = self.engine.runner.shapes
+        shapes.set_profile_sink(self)
+        self._restore.append(lambda: shapes.set_profile_sink(None))
         self._stages0 = self.engine.stage_times.snapshot()
         self._steps0 = self.engine.stats.num_steps
         return self

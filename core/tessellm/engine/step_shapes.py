@@ -25,6 +25,7 @@ class StepShapes:
         self.graph_sizes = list(graph_sizes)
         self.static_shapes = static_shapes
         self._compiled: dict[object, Any] = {}
+        self._profile_sink: Any = None
 
     def padding(self, s: StepInputs) -> StepPadding | None:
         """How step `s` is padded (None: it runs at its own size)."""
@@ -55,12 +56,18 @@ class StepShapes:
         compiled = self._compiled.get(pad.key)
         if compiled is None:
             compiled = self.device.compile(self.plan, pad.key)
+            if hasattr(compiled, "profile_sink"):
+                compiled.profile_sink = self._profile_sink
             self._compiled[pad.key] = compiled
         return compiled
 
-    def compiled(self) -> list[Any]:
-        """The compiled plans made so far, one per padded shape."""
-        return list(self._compiled.values())
+    def set_profile_sink(self, sink: Any) -> None:
+        """Hand every compiled plan that reports its time (a `profile_sink` attribute), made
+        so far or later, this PlanProfileSink (None: stop)."""
+        self._profile_sink = sink
+        for compiled in self._compiled.values():
+            if hasattr(compiled, "profile_sink"):
+                compiled.profile_sink = sink
 
     def all_paddings(self) -> list[StepPadding]:
         """Every padded shape the device declares (decode graphs largest first)."""

@@ -258,8 +258,8 @@ class ProgramBuilder:
             internal = [b if b is not None else self._register(t)
                         for t, b in zip(outs, internal)]
             label = _short_label(ins)
-            self.calls.append(PythonCall(ins.fn, [self._arg_recipe(a) for a in args], outs,
-                                         label))
+            fn = getattr(ins.fn, "__wrapped__", ins.fn)   # not a profiler's timer around it
+            self.calls.append(PythonCall(fn, [self._arg_recipe(a) for a in args], outs, label))
             self.fallbacks[label] = why
         for b in internal:
             if b is not None:
