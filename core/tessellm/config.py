@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tessellm.speculative.config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -86,6 +88,9 @@ class EngineConfig(BaseModel):
     sla_target_tokens_per_s: float | None = Field(None, gt=0)
     sla_window_steps: int = Field(64, ge=1)
     sla_min_num_seqs: int = Field(1, ge=1)
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding (vLLM's shape): {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": k, ...}; see tessellm.speculative")
 
     @field_validator("device")
     @classmethod
@@ -103,6 +108,9 @@ class EngineConfig(BaseModel):
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1: "
                              "the workers replay host-staged token ids")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor_parallel_size > "
+                             "1 yet (untested combination)")
         if self.sla_min_num_seqs > self.max_num_seqs:
             raise ValueError(f"sla_min_num_seqs ({self.sla_min_num_seqs}) exceeds max_num_seqs "
                              f"({self.max_num_seqs})")

@@ -74,6 +74,7 @@ class _StopStringWatch:
         self._new = DeltaTracker()   # tokens not yet fed, per watched request
         self._texts: dict[str, list[str]] = {}
         self._reasons: dict[str, str] = {}
+        self._lengths: dict[str, int] = {}   # output tokens up to the one completing a stop
         for r in requests:
             if r.params.stop:
                 self._outputs.track(r.request_id, r.prompt_token_ids, r.params.stop)
@@ -90,16 +91,20 @@ class _StopStringWatch:
                 if delta.finished:
                     self._reasons[raw.request_id] = (delta.finish_reason or raw.finish_reason
                                                      or "stop")
+                    self._lengths[raw.request_id] = delta.num_output_tokens
             if stop_now:
                 stopped.append(raw.request_id)
         if stopped:
-            self._engine.scheduler.finish_requests(stopped, FinishReason.STOP)
+            self._engine.finish_requests(stopped, FinishReason.STOP)
 
-    def result(self, request_id: str) -> tuple[str, str] | None:
-        """(text, finish_reason) of a watched request once finished; None if not watched."""
+    def result(self, request_id: str) -> tuple[str, str, int] | None:
+        """(text, finish_reason, output tokens kept) of a watched request once finished
+        (a step that gave several tokens, speculation, may have run past the stop string's
+        token: they are not kept); None if not watched."""
         if request_id not in self._reasons:
             return None
-        return "".join(self._texts[request_id]), self._reasons[request_id]
+        return ("".join(self._texts[request_id]), self._reasons[request_id],
+                self._lengths[request_id])
 
 
 class LLM:
@@ -260,9 +265,10 @@ class LLM:
         samples = []
         for i, r in enumerate(group):
             watched = stops.result(r.request_id)
-            text, reason = watched if watched is not None else (
-                self.decode(r.output_token_ids, r.prompt_token_ids), r.finish_reason.value)
-            out = CompletionOutput(i, text, list(r.output_token_ids), reason)
+            text, reason, kept = watched if watched is not None else (
+                self.decode(r.output_token_ids, r.prompt_token_ids), r.finish_reason.value,
+                len(r.output_token_ids))
+            out = CompletionOutput(i, text, r.output_token_ids[:kept], reason)
             samples.append(RequestOutput(r.request_id, r.prompt_token_ids, out.token_ids, text,
                                          reason, prompt=prompt, outputs=[out]))
         first = samples[0]

@@ -89,3 +89,9 @@ __all__ += ["DeviceUnavailableError", "ExecutionPlan", "KV_CACHE_FEED", "KernelE
 from tessellm.graph.plan import Instruction, PlanProfileSink, PlanTracer  # noqa: E402
 
 __all__ += ["Instruction", "PlanProfileSink", "PlanTracer"]
+
+# 1.8: speculative-decoding proposers (the tessellm_speculative_proposers hook)
+from tessellm.speculative.config import SpeculativeConfig  # noqa: E402
+from tessellm.speculative.proposer import Proposer  # noqa: E402
+
+__all__ += ["Proposer", "SpeculativeConfig"]

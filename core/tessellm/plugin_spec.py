@@ -47,7 +47,9 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # 1.7 (additive): a plan can be recorded as it runs (ExecutionPlan.trace with a PlanTracer,
 # Instruction, ExecutionPlan.kernel_generation) and a compiled plan profiled (its
 # `profile_sink`, a PlanProfileSink): what the CPU plugin's native decode programs use.
-API_VERSION = "1.7"
+# 1.8 (additive): the tessellm_speculative_proposers hook (speculative decoding proposers,
+# plugin_api.Proposer and SpeculativeConfig).
+API_VERSION = "1.8"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -76,3 +78,8 @@ class TessellmHookSpecs:
         """Extra tool-call formats (plugin_api.CallFormat, or any object with its `name`,
         `stream`, `parse_calls`, `matches_template` and `grammar`), chosen by
         --tool-call-parser NAME or by a chat template they match (after the built-in ones)."""
+
+    @hookspec
+    def tessellm_speculative_proposers(self) -> dict[str, Any]:
+        """Speculative-decoding proposers: method name -> factory(SpeculativeConfig, engine
+        parts) returning a plugin_api.Proposer, chosen by speculative_config.method."""

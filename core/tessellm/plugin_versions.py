@@ -22,7 +22,8 @@ Version = tuple[int, int]
 
 # What each minor version added that a plugin implements (see plugin_spec's history); what
 # every version since 1.0 has (tessellm_devices, tessellm_kernels, compile, ...) is not listed.
-HOOKS_SINCE: dict[str, Version] = {"tessellm_tool_call_formats": (1, 5)}
+HOOKS_SINCE: dict[str, Version] = {"tessellm_tool_call_formats": (1, 5),
+                                   "tessellm_speculative_proposers": (1, 8)}
 MODULE_ATTRIBUTES_SINCE: dict[str, Version] = {"TESSELLM_OVERRIDE_ARCHITECTURES": (1, 3)}
 DEVICE_MEMBERS_SINCE: dict[str, Version] = {
     "decode_graph_sizes": (1, 2), "static_shapes": (1, 2), "kv_cache_budget": (1, 2),

@@ -79,6 +79,7 @@ class PluginManager:
         self._architectures: dict[str, Any] | None = None
         self._graph_passes: list[Any] | None = None
         self._tool_formats: list[Any] | None = None
+        self._proposers: dict[str, Any] | None = None
 
     # -- loading -------------------------------------------------------------------------
 
@@ -357,6 +358,29 @@ class PluginManager:
             self._tool_formats = formats
         return list(self._tool_formats)
 
+    def speculative_proposers(self) -> dict[str, Any]:
+        """The plugins' speculative proposers (method name -> factory(config, engine parts)),
+        in plugin order; a name of a built-in method or an earlier plugin's, or a factory
+        that is not callable, is refused on its record."""
+        from tessellm.speculative.proposer import builtin_proposers
+        self.load()
+        if self._proposers is None:
+            taken = {name: "tessellm" for name in builtin_proposers()}
+            proposers: dict[str, Any] = {}
+            for record, result in self._hook_results("tessellm_speculative_proposers", dict):
+                for name, factory in result.items():
+                    if not isinstance(name, str) or not name or not callable(factory):
+                        record.add_error(f"PluginError: speculative proposer {name!r}: "
+                                         f"{factory!r} is not a callable factory (ignored)")
+                    elif name in taken:
+                        record.add_error(f"PluginError: speculative proposer {name!r} would "
+                                         f"override the one of {taken[name]!r} (refused)")
+                    else:
+                        taken[name] = record.name
+                        proposers[name] = factory
+            self._proposers = proposers
+        return dict(self._proposers)
+
     def _hook_results(self, hook_name: str, kind: type | tuple[type, ...]) -> list[tuple[PluginRecord, Any]]:
         out = []
         for record, plugin in self._loaded_plugins():
@@ -381,6 +405,7 @@ class PluginManager:
         self.architectures()
         self.graph_passes()
         self.tool_call_formats()
+        self.speculative_proposers()
         return [plugin_row(r) for r in self.records]
 
 

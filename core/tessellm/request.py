@@ -84,6 +84,10 @@ class Request:
     constraint: OutputConstraint | None = None  # structured output: its matcher (see above)
     prompt_logprobs: list[Any] = field(default_factory=list)  # prompt tokens 1.., when asked
     error: str | None = None  # why it finished with ERROR, when not a failed step
+    # speculation (tessellm.speculative): drafts proposed for the next step (set before each
+    # schedule(), taken by it) and the proposer's and policy's state for this request
+    draft_token_ids: list[int] = field(default_factory=list)
+    speculation: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import replace
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from tessellm.cache.host_pool import SwapSpace, SwapStats
 from tessellm.cache.kv_manager import KVCacheManager
@@ -72,7 +72,8 @@ from tessellm.request import FinishReason, Request, RequestStatus
 from tessellm.scheduling.batch_scheduler import BatchScheduler
 from tessellm.scheduling.config import SchedulerConfig
 from tessellm.scheduling.forks import ForkGroups
-from tessellm.scheduling.output_checks import check_output, check_running, check_samples
+from tessellm.scheduling.output_checks import (check_accepted, check_output, check_running,
+                                               check_samples)
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
 from tessellm.scheduling.request_scheduler import RequestScheduler
 from tessellm.scheduling.sla import SLABatchSizer, SLAConfig
@@ -176,18 +177,21 @@ class Scheduler:
         self._requests.step += 1
         return out
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           accepted: dict[str, Sequence[int]] | None = None) -> list[Request]:
         """Account the step's computed tokens and append the sampled ones.
 
         `sampled` holds one token for each scheduled request that became fully computed, and
         for no other (a partial prompt chunk samples nothing); entries for requests finished
-        since schedule() are ignored. Returns the requests that finished (blocks freed).
-        Raises SchedulerError, changing nothing, when `sampled` does not match the output.
+        since schedule() are ignored. `accepted`: per request scheduled with drafts, the
+        drafts it accepted (a prefix of them; see `complete`). Returns the requests that
+        finished (blocks freed). Raises SchedulerError, changing nothing, when `sampled` does
+        not match the output.
         """
         check_output(self.get_request, output, sampled)
+        check_accepted(output, accepted)
         self._commit(output)
-        return self._complete(output, sampled)
+        return self._complete(output, sampled, accepted)
 
     def commit(self, output: SchedulerOutput) -> None:
         """The step is on the device (see the module docstring). Raises SchedulerError,
@@ -196,12 +200,18 @@ class Scheduler:
             check_running(self.get_request, s)
         self._commit(output)
 
-    def complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def complete(self, output: SchedulerOutput, sampled: dict[str, int],
+                 accepted: dict[str, Sequence[int]] | None = None) -> list[Request]:
         """The committed step's ids, one per id in output.sampling (ignored for requests
-        finished since); returns the requests that finished (blocks freed). Raises
-        SchedulerError, changing nothing, on a mismatch."""
+        finished since); returns the requests that finished (blocks freed). A request
+        scheduled with drafts gets its accepted drafts (`accepted[id]`, a prefix of its
+        drafts, default none) and then its sampled token, appended in that order and
+        stopping where it finishes; their KV counts as computed, and the blocks past its
+        tokens (rejected drafts' slots) are freed, never cached. Raises SchedulerError,
+        changing nothing, on a mismatch."""
         check_samples(self.get_request, output, sampled)
-        return self._complete(output, sampled)
+        check_accepted(output, accepted)
+        return self._complete(output, sampled, accepted)
 
     def _commit(self, output: SchedulerOutput) -> None:
         sampling = output.sampling
@@ -210,13 +220,14 @@ class Scheduler:
             if request.is_finished:
                 continue
             s.start = request.num_computed_tokens
-            request.num_computed_tokens += s.num_tokens
+            request.num_computed_tokens += s.num_real_tokens   # drafts: once accepted
             if request.num_computed_tokens == request.num_tokens:
                 request.num_pending += 1
                 sampling.append(request.request_id)
                 sampling += [c.request_id for c in output.forks.get(request.request_id, ())]
 
-    def _complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def _complete(self, output: SchedulerOutput, sampled: dict[str, int],
+                  accepted: dict[str, Sequence[int]] | None = None) -> list[Request]:
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
         waiting_finished = False
@@ -225,16 +236,17 @@ class Scheduler:
             if request.is_finished:
                 continue
             running = request.status is RequestStatus.RUNNING
-            if running:   # a request preempted since (async scheduling) has no blocks to cache
-                self.kv.cache_full_blocks(request, s.start + s.num_tokens)
             rid = request.request_id
-            if rid not in sampled:
-                continue
-            if rid in output.forks:
-                finished += self._fork_children(request, sampled)
-            request.append_output(sampled[rid])
-            if not request.is_finished and request.num_known_tokens >= max_model_len:
-                request.finish(FinishReason.LENGTH)
+            if s.draft_token_ids and rid in sampled:
+                self._append_verified(s, (accepted or {}).get(rid, ()), sampled[rid], running)
+            else:
+                if running:   # one preempted since (async scheduling) has no blocks to cache
+                    self.kv.cache_full_blocks(request, s.start + s.num_tokens)
+                if rid not in sampled:
+                    continue
+                if rid in output.forks:
+                    finished += self._fork_children(request, sampled)
+                self._append(request, sampled[rid])
             if request.is_finished:
                 self._forget(request)
                 finished.append(request)
@@ -244,6 +256,31 @@ class Scheduler:
         if finished:
             self._drop_finished_running()
         return finished
+
+    def _append(self, request: Request, token_id: int) -> None:
+        request.append_output(token_id)
+        if not request.is_finished and request.num_known_tokens >= self.config.max_model_len:
+            request.finish(FinishReason.LENGTH)
+
+    def _append_verified(self, s: ScheduledRequest, accepted: Sequence[int], token_id: int,
+                         running: bool) -> None:
+        """A verify step's outcome: the accepted drafts, then the sampled token (stopping
+        where the request finishes); the accepted drafts' KV is computed; blocks past the
+        request's tokens hold only rejected drafts and are freed."""
+        request = s.request
+        for draft in accepted:
+            self._append(request, draft)
+            if request.is_finished:
+                break
+        request.num_computed_tokens = min(s.start + s.num_real_tokens + len(accepted),
+                                          request.num_tokens)
+        if running:
+            self.kv.cache_full_blocks(request, min(request.num_computed_tokens,
+                                                   request.num_known_tokens))
+        if not request.is_finished:
+            self._append(request, token_id)
+        if running and not request.is_finished:
+            self.kv.trim(request, request.num_tokens)
 
     def observe_step(self, duration_s: float, num_decode_tokens: int) -> None:
         """Timing of one engine step, for the SLA policy (a no-op when it is off)."""

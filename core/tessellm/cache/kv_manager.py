@@ -276,6 +276,22 @@ class KVCacheManager:
         if table:
             self._pool.free(reversed(table))
 
+    def trim(self, request: SequenceState, num_tokens: int) -> None:
+        """Free the blocks of the request's table past those that hold its first `num_tokens`
+        tokens (speculation: the slots of rejected drafts), last block first; the table
+        becomes a new list. Such blocks were never cached (their positions were not
+        computed); raises KVCacheError if one was."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        keep = self.num_blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return
+        if self._num_cached.get(rid, 0) > keep:
+            raise KVCacheError(f"request {rid!r}: cannot trim cached blocks ({keep} of "
+                               f"{len(table)} kept)")
+        self._tables[rid] = table[:keep]
+        self._pool.free(reversed(table[keep:]))
+
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] when it holds no blocks)."""
         return list(self._tables.get(request_id, ()))

@@ -51,6 +51,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model over this many ranks (processes, one device each); "
                         "under torchrun, ranks > 0 become workers")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (prompt lookup)')
 
 
 def engine_options(a: argparse.Namespace) -> dict:
@@ -58,7 +61,21 @@ def engine_options(a: argparse.Namespace) -> dict:
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
             "tensor_parallel_size", "packed_activations", "async_scheduling")
-    return {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
+    options = {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
+    if getattr(a, "speculative_config", None) is not None:
+        options["speculative_config"] = _json_object("--speculative-config",
+                                                     a.speculative_config)
+    return options
+
+
+def _json_object(flag: str, text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _structured_outputs(a: argparse.Namespace):
@@ -311,12 +328,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plot", metavar="FILE.png", default=None,
                    help="also draw the figures into this PNG (needs matplotlib)")
     t.set_defaults(func=cmd_bench_throughput)
-    lt = bsub.add_parser("latency", help="one stream: prefill and decode tok/s, W3/W4")
+    lt = bsub.add_parser("latency", help="one stream: prefill and decode tok/s, W3/W4/W6")
     _engine_args(lt)
     lt.add_argument("--input-len", type=int, default=128)
     lt.add_argument("--output-len", type=int, default=128)
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up run")
+    lt.add_argument("--workload", choices=["random", "copy"], default="random",
+                    help="random: random prompt ids, EOS ignored (W3/W4); copy: chat prompts "
+                         "holding a ~400-token file to give back with an edit (W6)")
+    lt.add_argument("--speculative", metavar="METHOD", default=None,
+                    help="speculate with this method (ngram, or a plugin's)")
+    lt.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="drafts per step with --speculative")
     lt.add_argument("--profile", action="store_true",
                     help="one more run, instrumented: time per op kind and per stage")
     lt.add_argument("--plot", metavar="FILE.png", default=None,

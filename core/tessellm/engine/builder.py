@@ -36,6 +36,7 @@ from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
 from tessellm.parallel.group import ParallelGroup, require_torch_backend
 from tessellm.parallel.launch import start_group
+from tessellm.speculative.proposer import known_proposer
 from tessellm.plugins import PluginManager
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class EngineParts:
     # tensor parallelism: this rank's place in the group (None: one rank); `spec` stays the
     # whole model's, the plan, weights and KV caches are this rank's shard
     parallel: ParallelGroup | None = None
+    # speculation: the proposers plugins register (method name -> factory), built-ins aside
+    proposers: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_demo(self) -> bool:
@@ -188,6 +191,8 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     core_tokenizer: the engine runs in a core process whose front end holds the full
     tokenizer, so what the core reads of one is enough (load_source_tokenizer's core_only)."""
     plugins = plugins or PluginManager().load()
+    if config.speculative_config is not None:   # an unknown method: refused before loading
+        known_proposer(config.speculative_config.method, plugins.speculative_proposers())
     device = plugins.select_device(config.device)
     source = model_source_of(config)
     opened = open_source(source)   # a GGUF header, parsed once for config, weights, tokenizer
@@ -293,4 +298,5 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
                  if leader else None)  # workers never decode
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
-                       graph.weights, host_kv_caches, parallel)
+                       graph.weights, host_kv_caches, parallel,
+                       plugins.speculative_proposers())

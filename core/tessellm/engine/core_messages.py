@@ -120,6 +120,13 @@ class CoreStats(msgspec.Struct, array_like=True):
     running_by_priority: list[int] = []  # [i]: running requests of priority class i
     waiting_by_priority: list[int] = []  # [i]: waiting (incl. preempted) ones of class i
     num_overlapped_steps: int = 0        # launched while the previous step was in flight
+    # speculative decoding (tessellm.speculative.stats.SpecStats; method "" when off)
+    spec_method: str = ""
+    spec_proposals: int = 0
+    spec_refused_proposals: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -56,7 +56,17 @@ def core_stats(engine: LLMEngine) -> CoreStats:
         stage_seconds=dict(engine.stage_times.snapshot()),
         device_counters=engine.parts.device.runtime_counters(),
         running_by_priority=running, waiting_by_priority=waiting,
-        num_overlapped_steps=s.num_overlapped_steps)
+        num_overlapped_steps=s.num_overlapped_steps, **spec_fields(engine))
+
+
+def spec_fields(engine: LLMEngine) -> dict:
+    """CoreStats' speculation counters (none when the engine does not speculate)."""
+    if engine.speculator is None:
+        return {}
+    st = engine.speculator.stats
+    return dict(spec_method=st.method, spec_proposals=st.proposals,
+                spec_refused_proposals=st.refused_proposals, spec_verify_steps=st.verify_steps,
+                spec_draft_tokens=st.draft_tokens, spec_accepted_tokens=st.accepted_tokens)
 
 
 def device_plugin_of(device: object) -> tuple[str, str]:
@@ -115,7 +125,7 @@ class EngineCoreLoop:
         elif isinstance(message, FinishRequests):
             reason = FinishReason.STOP if message.reason == "stop" else FinishReason.ABORT
             known = [rid for rid in message.request_ids if rid in self.tracker.sent]
-            self.engine.scheduler.finish_requests(known, reason)
+            self.engine.finish_requests(known, reason)
         elif isinstance(message, AddRequest):
             self._add(message)
 

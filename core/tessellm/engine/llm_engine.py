@@ -9,12 +9,19 @@ N+1 while the device runs step N, and step() returns step N's finished requests 
 later. A step is kept in flight only when the next one cannot depend on its ids on the host:
 none of its rows forks siblings (n > 1) or uses a penalty (the penalties read the ids).
 Requests finished by EOS at step N were already scheduled into N+1; that token is dropped.
+
+Speculation (`speculative_config`, tessellm.speculative): before each schedule the Speculator
+gives eligible decoding requests draft tokens; the step computes them as extra rows and samples
+at each, `_verify` accepts the drafts the draws agree with, and the scheduler appends them with
+the correction (rejected drafts' blocks freed). A step with drafts is never kept in flight, and
+a request with a token in flight gets no drafts (acceptance decides the next step's inputs).
 """
 from __future__ import annotations
 
 import itertools
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from tessellm.cache.kv_manager import KVCacheManager
@@ -31,6 +38,9 @@ from tessellm.parallel.group import ParallelGroupError
 from tessellm.request import FinishReason, Request, sample_ids
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
+from tessellm.speculative.proposer import make_proposer
+from tessellm.speculative.speculator import Speculator
+from tessellm.speculative.verification import num_accepted
 
 
 class StepError(TessellmError, RuntimeError):
@@ -81,6 +91,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(lambda: guidance_tokenizer(
             parts.tokenizer, parts.spec.vocab_size, parts.eos_token_ids))
+        spec = c.speculative_config
+        self.speculator = None if spec is None else Speculator(
+            spec, make_proposer(spec, parts, parts.proposers), self.max_model_len)
         self._in_flight: LaunchedStep | None = None
         self._in_flight_t0 = 0.0
         self._last_completed = 0.0
@@ -108,8 +121,8 @@ class LLMEngine:
     def _die(self, reason: str) -> list[Request]:
         self.dead = reason
         self._in_flight = None
-        return self.scheduler.finish_requests(self.scheduler.unfinished_request_ids(),
-                                              FinishReason.ERROR)
+        return self.finish_requests(self.scheduler.unfinished_request_ids(),
+                                    FinishReason.ERROR)
 
     def shutdown(self) -> None:
         """Stop the group's other ranks (tensor parallelism); the engine cannot step after."""
@@ -182,7 +195,20 @@ class LLMEngine:
         return requests
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        self.finish_requests([request_id], FinishReason.ABORT)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason
+                        ) -> list[Request]:
+        """Finish the named unfinished requests (Scheduler.finish_requests) and drop what
+        speculation holds for them; every caller outside the engine goes through here."""
+        return self._release(self.scheduler.finish_requests(request_ids, reason))
+
+    def _release(self, finished: list[Request]) -> list[Request]:
+        """Finished requests drop what speculation holds for them; returns `finished`."""
+        if self.speculator is not None:
+            for request in finished:
+                self.speculator.release(request)
+        return finished
 
     def has_unfinished(self) -> bool:
         """Unfinished requests, or a step still in flight (async scheduling)."""
@@ -243,6 +269,9 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
+        if self.speculator is not None:   # drafts for this step's decodes
+            self.speculator.propose(self.scheduler.running,
+                                    self.parts.config.max_num_batched_tokens)
         out = self.scheduler.schedule()
         self.stage_times.add("schedule", time.perf_counter() - t0)
         self.stats.num_swapped_out_blocks += len(out.swap_out)
@@ -273,7 +302,7 @@ class LLMEngine:
     def _can_stay_in_flight(step: LaunchedStep) -> bool:
         """Whether the next step may be scheduled before this one's ids are on the host (not
         when a row's next logits depend on its ids on the host: penalties, a constraint)."""
-        if step.out.forks:
+        if step.out.forks or step.out.has_drafts:   # acceptance decides the next inputs
             return False
         return not any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                        or r.params.frequency_penalty or r.constraint is not None
@@ -288,8 +317,8 @@ class LLMEngine:
             failed = self._die(reason)
             return ParallelGroupError(f"{reason}; {len(failed)} unfinished request(s) failed")
         # Only this step's requests fail; their blocks are freed and the engine goes on.
-        failed = self.scheduler.finish_requests(
-            [s.request.request_id for s in out.scheduled], FinishReason.ERROR)
+        failed = self.finish_requests([s.request.request_id for s in out.scheduled],
+                                      FinishReason.ERROR)
         return StepError(f"engine step failed for {len(failed)} request(s): "
                          f"{type(exc).__name__}: {exc}", failed)
 
@@ -303,25 +332,67 @@ class LLMEngine:
             raise self._fail_step(step.out, exc) from exc
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.out.preempted)
-        self.stats.num_generated_tokens += len(token_ids)
         for s in step.out.scheduled:   # prompt logprobs first: entries in position order
             lps = step.prompt_logprobs.get(s.request.request_id)
             if lps and not s.request.is_finished:
                 s.request.prompt_logprobs += lps
         sampled: dict[str, int] = {}
-        for request, token, lp in zip(step.sampled, token_ids, step.logprobs):
+        accepted: dict[str, tuple[int, ...]] = {}
+        verified = self._verify(step, token_ids, accepted) if step.out.has_drafts else None
+        # rows of a verify entry past its accepted drafts and correction generate nothing
+        self.stats.num_generated_tokens += len(token_ids) - (
+            0 if verified is None else len(verified) - sum(map(len, accepted.values())))
+        for i, (request, token, lp) in enumerate(zip(step.sampled, token_ids, step.logprobs)):
             if request.is_finished:   # finished (aborted, EOS) since it was launched
+                continue
+            if verified is not None and i in verified:   # a verify row past the kept ones
                 continue
             sampled[request.request_id] = token
             if lp is not None:
                 request.output_logprobs.append(lp)
         t1 = time.perf_counter()
-        finished = self.scheduler.complete(step.out, sampled)
+        finished = self.scheduler.complete(step.out, sampled, accepted)
         t2 = time.perf_counter()
+        if accepted:   # logprobs of verify rows past a finish are dropped
+            for rid in accepted:
+                r = step.sampled[step.rows[rid]]
+                del r.output_logprobs[len(r.output_token_ids):]
         self.stage_times.add("update", t2 - t1)
-        self.scheduler.observe_step(t2 - max(t0, self._last_completed), step.out.num_decodes)
+        seconds = t2 - max(t0, self._last_completed)
+        self.scheduler.observe_step(seconds, step.out.num_decodes)
+        if self.speculator is not None:
+            self.speculator.observe_step(seconds, step.out.num_batched_tokens,
+                                         step.out.has_drafts)
         self._last_completed = t2
-        return finished
+        return self._release(finished)
+
+    def _verify(self, step: LaunchedStep, token_ids: list[int],
+                accepted: dict[str, tuple[int, ...]]) -> set[int]:
+        """Accept each verify entry's drafts against its draws (tessellm.speculative.
+        verification); fills `accepted` and returns the sampled rows to skip: for a request
+        with a accepted drafts, its rows after offset a (its row at offset a carries the
+        token that follows them; the logprobs of rows 0..a-1 go with the drafts)."""
+        skip: set[int] = set()
+        starts: dict[str, int] = {}
+        for i, j in enumerate(step.sample_offsets):
+            if j == 0:
+                starts[step.sampled[i].request_id] = i
+        for s in step.out.scheduled:
+            drafts = s.draft_token_ids
+            if not drafts or s.request.is_finished:
+                continue
+            first = starts[s.request.request_id]
+            draws = token_ids[first:first + len(drafts) + 1]
+            a = num_accepted(drafts, draws)
+            accepted[s.request.request_id] = drafts[:a]
+            self.speculator.observe_verify(s.request, len(drafts), a)
+            request = s.request
+            for i in range(first, first + a):   # the accepted drafts' logprobs, in order
+                if step.logprobs[i] is not None:
+                    request.output_logprobs.append(step.logprobs[i])
+            skip.update(range(first, first + a))
+            skip.update(range(first + a + 1, first + len(drafts) + 1))
+        return skip
 
     def _block_ops_only(self, out: SchedulerOutput) -> None:
         """A step that scheduled no tokens may still have block work (its preemptions'

@@ -67,10 +67,18 @@ PADDING_ROW = SampleRequest(SamplingParams(temperature=0.0), 0, (), ())
 
 @dataclass(frozen=True, slots=True)
 class RunnerLimits:
+    """`max_sampled_rows`: logits rows a step samples (max_num_seqs; with speculation each
+    sequence samples after each of its drafts too)."""
+
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
     max_blocks_per_seq: int
+    max_sampled_rows: int = 0   # 0: max_num_seqs
+
+    @property
+    def sampled_rows(self) -> int:
+        return self.max_sampled_rows or self.max_num_seqs
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +93,12 @@ class SamplerKernels:
 def _buffer_shapes(limits: RunnerLimits, overlap: bool,
                    token_masks: StepMasks | None, staged_masks: bool) -> dict:
     T, B, W = limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
+    S = limits.sampled_rows
     shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
               "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
               "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
-              "logits_indices": ((B + T,), torch.int64),   # + prompt logprobs' rows
-              SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32),
+              "logits_indices": ((S + T,), torch.int64),   # + prompt logprobs' rows
+              SAMPLE_ROWS: ((S,), torch.int64), SAMPLE_TABLE: ((4 * S,), torch.float32),
               "fresh_blocks": ((max_fresh_blocks(limits),), torch.int64)}
     if overlap:
         shapes.update(feed_rows=((B,), torch.int64), feed_src=((B,), torch.int64))
@@ -122,7 +131,7 @@ class ModelRunner:
         self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
         self.staging = InputStaging(device, _buffer_shapes(limits, overlap, token_masks,
                                                            self._stages),
-                                    readback_rows=limits.max_num_seqs, sets=2 if overlap else 1)
+                                    readback_rows=limits.sampled_rows, sets=2 if overlap else 1)
         stage = self.staging.stage_small if self._stages else None
         self.sampler = Sampler(sampler_kernels.sample, stage, sampler_kernels.greedy,
                                sampler_kernels.bitmask)
@@ -263,13 +272,23 @@ class ModelRunner:
         return logits, uploaded
 
     def _sample(self, logits: torch.Tensor, sampled: list[Request],
-                pending_masks: PendingMasks | None = None
+                pending_masks: PendingMasks | None = None, offsets: Sequence[int] = (),
+                drafts: dict[str, tuple[int, ...]] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, Event, list[TokenLogprobs | None]]:
         """Sample the real rows (padded logits rows go through as greedy dummies) and enqueue
         the ids' copy to the host; returns (device ids, host ids, their event, logprobs).
-        A row's output position counts its pending tokens (the seed position)."""
+        A row's output position counts its pending tokens (the seed position); a verify
+        row at draft offset j (speculation) is output position + j and sees the first j
+        drafts as outputs (penalties), as it would have without speculation."""
         rows = [SampleRequest(r.params, len(r.output_token_ids) + r.num_pending,
                               r.prompt_token_ids, r.output_token_ids) for r in sampled]
+        if drafts:
+            for i, j in enumerate(offsets):
+                if j:
+                    r = sampled[i]
+                    rows[i] = SampleRequest(
+                        r.params, len(r.output_token_ids) + j, r.prompt_token_ids,
+                        r.output_token_ids + list(drafts[r.request_id][:j]))
         rows += [PADDING_ROW] * (logits.shape[0] - len(rows))
         masks = None
         if pending_masks is not None:
@@ -324,10 +343,14 @@ class ModelRunner:
             logits = logits[:len(s.logits_indices)]
         if not s.sampled:  # no readback: collect waits for the upload (staging free again)
             return LaunchedStep(out, [], [], None, None, uploaded, {}, prompt_lps)
-        token_ids, host, readback, logprobs = self._sample(logits, s.sampled, masks)
+        drafts = {sched.request.request_id: sched.draft_token_ids for sched in out.scheduled
+                  if sched.draft_token_ids}
+        token_ids, host, readback, logprobs = self._sample(logits, s.sampled, masks,
+                                                           s.sample_offsets, drafts)
         self.stage_times.add("sample", time.perf_counter() - t2)
         return LaunchedStep(out, s.sampled, logprobs, token_ids, host, readback,
-                            {r.request_id: i for i, r in enumerate(s.sampled)}, prompt_lps)
+                            {r.request_id: i for i, r in enumerate(s.sampled)}, prompt_lps,
+                            s.sample_offsets)
 
     def collect(self, step: LaunchedStep) -> list[int]:
         """Wait for a launched step's ids; its sampled requests' new token ids, in order."""

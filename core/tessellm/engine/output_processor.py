@@ -60,19 +60,32 @@ class OutputProcessor:
         t = self.tracked.get(raw.request_id)
         if t is None:
             return None, False
-        text = t.detokenizer.step(raw.token_ids) if raw.token_ids else ""
-        if raw.finished:
-            text += t.detokenizer.finish()
+        token_ids, logprobs, num_output = raw.token_ids, raw.logprobs, raw.num_output_tokens
         stopped = False
-        if t.stops is not None:
-            text, stopped = t.stops.feed(text)
-            if not stopped and raw.finished:
-                text += t.stops.flush()
+        if t.stops is None:
+            text = t.detokenizer.step(token_ids) if token_ids else ""
+        else:   # token by token: a stop string ends the delta at the token completing it
+            text = ""
+            for i, token in enumerate(token_ids):
+                piece, stopped = t.stops.feed(t.detokenizer.step([token]))
+                text += piece
+                if stopped:
+                    cut = len(token_ids) - (i + 1)   # tokens a multi-token step gave after it
+                    token_ids, logprobs = token_ids[:i + 1], logprobs[:i + 1]
+                    num_output -= cut
+                    break
+        if raw.finished and not stopped:
+            tail = t.detokenizer.finish()
+            if t.stops is not None:
+                tail, stopped = t.stops.feed(tail)
+                if not stopped:
+                    tail += t.stops.flush()
+            text += tail
         finished = raw.finished or stopped
         reason = "stop" if stopped else raw.finish_reason
         if finished:
             del self.tracked[raw.request_id]
-        return StreamDelta(raw.request_id, raw.token_ids, text, raw.logprobs, finished,
+        return StreamDelta(raw.request_id, token_ids, text, logprobs, finished,
                            reason if finished else None, raw.error, raw.num_prompt_tokens,
-                           raw.num_output_tokens, raw.prompt_logprobs or None), \
+                           num_output, raw.prompt_logprobs or None), \
             stopped and not raw.finished

@@ -82,8 +82,14 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
     sends its device work to the others)."""
     c = parts.config
     leads = parts.parallel is not None and parts.parallel.is_leader
+    drafts = 0 if c.speculative_config is None else c.speculative_config.num_speculative_tokens
+    if drafts and parts.device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs):
+        raise ConfigError(f"speculative_config is not supported on device "
+                          f"{parts.device.name!r} yet, which compiles static step shapes "
+                          "(verify steps would need shapes of their own)")
     limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, c.max_num_seqs,
-                          math.ceil(parts.max_model_len / c.block_size))
+                          math.ceil(parts.max_model_len / c.block_size),
+                          c.max_num_seqs * (1 + drafts))
     return ModelRunner(
         parts.device, parts.plan, parts.kv_caches, limits,
         host_kv_caches=parts.host_kv_caches,

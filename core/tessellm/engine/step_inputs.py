@@ -69,6 +69,9 @@ class StepInputs:
     query_lens: list[int] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
     sampled: list[Request] = field(default_factory=list)
+    # per sampled row: its offset among the request's rows that sample (speculation: draft
+    # position j of a verify entry samples the token after draft j; 0 otherwise)
+    sample_offsets: list[int] = field(default_factory=list)
     num_decodes: int = 0
     pending_rows: list[int] = field(default_factory=list)   # token rows whose id is pending
     pending: list[Request] = field(default_factory=list)    # ... and whose pending token
@@ -99,6 +102,7 @@ class LaunchedStep:
     readback: Event
     rows: dict[str, int]
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    sample_offsets: list[int] = field(default_factory=list)   # as StepInputs'
 
 
 def blocks_written_in_full(out: SchedulerOutput, kv: KVCacheManager,
@@ -123,15 +127,18 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     """One row per scheduled request; a logits index (and sampled request) per request that
     completes in this step, followed by one per sibling forking from it (out.forks): they
     sample from its row, each with its own SamplingParams and seed. A request that wants
-    prompt logprobs also has its computed prompt positions' rows read (prompt_rows): position
+    prompt logprobs also has its computed prompt positions' rows read (prompt_rows). An entry
+with drafts (speculation) is the request's last token then its drafts, and samples at each of
+them (one sampled row per draft plus one; sample_offsets 0..d): position
     p's logits give the logprob of prompt token p + 1, for p from the entries it has up to
     the second-to-last prompt token (the last one's logits are the sampled row)."""
     s = StepInputs()
     for sched in out.scheduled:
-        r, n = sched.request, sched.num_tokens
+        r, n, drafts = sched.request, sched.num_tokens, sched.draft_token_ids
         start, stop = r.num_computed_tokens, r.num_computed_tokens + n
+        real_stop = stop - len(drafts)
         known = r.num_known_tokens
-        if stop > known:   # its pending token (async scheduling): fed on the device
+        if real_stop > known:   # its pending token (async scheduling): fed on the device
             if stop - known != 1 or r.num_pending != 1:
                 raise RuntimeError(f"request {r.request_id!r}: {stop - known} pending input "
                                    f"tokens in one step (at most one may be in flight)")
@@ -144,18 +151,27 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
                 row0 = len(s.token_ids) - start
                 s.prompt_rows += range(row0 + first, row0 + last)
                 s.prompt_spans.append((r, first, last - first))
-        s.token_ids += r.token_ids_slice(start, stop)
+        s.token_ids += r.token_ids_slice(start, real_stop)
+        if drafts:   # speculation: the drafts follow the request's last token
+            s.token_ids += drafts
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)
         s.block_tables.append(kv.block_table_view(r.request_id))
         s.seq_lens.append(stop)
         s.query_lens.append(n)
-        if stop == r.num_tokens:  # fully computed after this step: sample its next token
+        if drafts:   # a verify entry samples at its last token and after every draft
+            first = len(s.token_ids) - len(drafts) - 1
+            s.logits_indices += range(first, len(s.token_ids))
+            s.sampled += [r] * (len(drafts) + 1)
+            s.sample_offsets += range(len(drafts) + 1)
+        elif stop == r.num_tokens:  # fully computed after this step: sample its next token
             s.logits_indices.append(len(s.token_ids) - 1)
             s.sampled.append(r)
+            s.sample_offsets.append(0)
             for child in out.forks.get(r.request_id, ()):   # n > 1: the same row again
                 s.logits_indices.append(len(s.token_ids) - 1)
                 s.sampled.append(child)
+                s.sample_offsets.append(0)
     while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
         s.num_decodes += 1
     return s

@@ -32,6 +32,11 @@ prefix-cache hit (computed = the tokens the hit covers) are that one rule. A req
 prompt logprobs is granted at most PROMPT_LOGITS_CHUNK tokens a step, so one step's prompt
 logits stay that many rows of the vocabulary.
 
+Speculation: a decoding request with draft tokens (request.draft_token_ids, set by
+tessellm.speculative before the step) is granted its last token plus as many drafts as the
+budget leaves (an entry of 1 + d tokens, scheduled with the non-decodes); drafts whose blocks
+do not fit are dropped, never a reason to preempt.
+
 Async scheduling: a running request whose pending tokens (sampled on the device by the step
 still in flight) already reach its max_tokens or max_model_len is skipped: it is finished as
 soon as they are read back, so a step for it would be wasted (and past max_model_len, wrong).
@@ -122,9 +127,12 @@ class BatchScheduler:
                 i += 1                       # in flight, done once read back: nothing to run
                 continue
             n = num_new_tokens(ticket.request, budget)
-            if not self._allocate_or_preempt(ticket, n, victims):
+            drafts = self._drafts(ticket.request, n, budget)
+            if drafts:
+                n += len(drafts)
+            elif not self._allocate_or_preempt(ticket, n, victims):
                 break                        # it was the tail: nothing after it is left
-            scheduled.append(ScheduledRequest(ticket.request, n))
+            scheduled.append(ScheduledRequest(ticket.request, n, draft_token_ids=drafts))
             budget -= n
             i += 1
 
@@ -147,6 +155,18 @@ class BatchScheduler:
             if victim is ticket:
                 return False
         return True
+
+    def _drafts(self, request: Request, n: int, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding request verifies this step (takes request.draft_token_ids):
+        as many as the budget leaves room for, with their blocks allocated, or none. Drafts
+        never preempt anyone: when their blocks do not fit, the request decodes alone."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if not drafts or n != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return ()
+        drafts = drafts[:budget - 1]
+        if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
+            return ()
+        return tuple(drafts)
 
     # ---- waiting requests ------------------------------------------------------------------
 

@@ -27,11 +27,20 @@ class SchedulerError(TessellmError, RuntimeError):
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """`num_tokens` tokens of `request`, at positions num_computed_tokens.. (as of schedule())."""
+    """`num_tokens` tokens of `request`, at positions num_computed_tokens.. (as of schedule()).
+    With `draft_token_ids` (speculation) the entry is the request's last token followed by
+    those drafts: num_tokens = 1 + len(draft_token_ids), all of which the step computes and
+    samples after; how many drafts were right is known only once the step completes."""
 
     request: Request
     num_tokens: int
     start: int = -1   # num_computed_tokens when the step was committed (Scheduler.commit)
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the request's own sequence among num_tokens (the drafts excluded)."""
+        return self.num_tokens - len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -54,6 +63,10 @@ class SchedulerOutput:
                 break
             n += 1
         return n
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(s.draft_token_ids for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

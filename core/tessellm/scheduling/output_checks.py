@@ -3,7 +3,7 @@ raises SchedulerError before anything changes. `get_request(id)` is the schedule
 (None for an unknown or finished-and-forgotten request)."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tessellm.request import Request, RequestStatus
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
@@ -20,7 +20,7 @@ def check_running(get_request: GetRequest, s: ScheduledRequest) -> None:
         return
     if get_request(rid) is not request or request.status is not RequestStatus.RUNNING:
         raise SchedulerError(f"scheduled request {rid!r} is not running")
-    done = request.num_computed_tokens + s.num_tokens
+    done = request.num_computed_tokens + s.num_real_tokens
     if done > request.num_tokens or s.start >= 0:
         raise SchedulerError(
             f"request {rid!r} would have {done} computed tokens out of "
@@ -39,7 +39,7 @@ def check_output(get_request: GetRequest, output: SchedulerOutput,
         if request.is_finished:
             continue
         check_running(get_request, s)
-        done = request.num_computed_tokens + s.num_tokens
+        done = request.num_computed_tokens + s.num_real_tokens
         if done == request.num_tokens and rid not in sampled:
             raise SchedulerError(f"request {rid!r} is fully computed but has no sampled token")
         if done < request.num_tokens and rid in sampled:
@@ -72,3 +72,15 @@ def check_samples(get_request: GetRequest, output: SchedulerOutput,
         if rid not in sampled and r is not None and not r.is_finished:
             raise SchedulerError(f"request {rid!r} is fully computed but has no sampled "
                                  "token")
+
+
+def check_accepted(output: SchedulerOutput, accepted: dict[str, Sequence[int]] | None) -> None:
+    """Accepted drafts only for entries scheduled with drafts, each a prefix of them."""
+    if not accepted:
+        return
+    drafts = {s.request.request_id: s.draft_token_ids for s in output.scheduled}
+    for rid, tokens in accepted.items():
+        proposed = drafts.get(rid)
+        if proposed is None or tuple(tokens) != proposed[:len(tokens)]:
+            raise SchedulerError(f"accepted drafts {list(tokens)} of request {rid!r} are not "
+                                 f"a prefix of its scheduled drafts {list(proposed or ())}")

@@ -46,6 +46,19 @@ def kernel_table(choices: dict[str, str]) -> list[dict[str, Any]]:
     return table
 
 
+def speculative_section(s: Any) -> dict[str, Any] | None:
+    """Speculative decoding's counters (None when the engine does not speculate)."""
+    if not s.spec_method:
+        return None
+    return {"method": s.spec_method, "proposals": s.spec_proposals,
+            "refused_proposals": s.spec_refused_proposals, "verify_steps": s.spec_verify_steps,
+            "draft_tokens": s.spec_draft_tokens, "accepted_tokens": s.spec_accepted_tokens,
+            "acceptance_rate": (s.spec_accepted_tokens / s.spec_draft_tokens
+                                if s.spec_draft_tokens else None),
+            "mean_accepted_length": (1 + s.spec_accepted_tokens / s.spec_verify_steps
+                                     if s.spec_verify_steps else None)}
+
+
 def snapshot(state: ServerState) -> dict[str, Any]:
     engine, info, m = state.engine, state.engine.info, state.metrics
     s = engine.stats
@@ -77,6 +90,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
         "tokens": {"prompt": s.num_prompt_tokens, "generated": s.num_generated_tokens,
                    "gen_tps": history.recent_rate("generation_tokens"),
                    "prompt_tps": history.recent_rate("prompt_tokens")},
+        "speculative": speculative_section(s),
         "preemptions": s.num_preemptions,
         "steps": s.num_steps,
         "latency": {"window_s": m.recent_ttft.window_s,

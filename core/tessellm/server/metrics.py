@@ -88,11 +88,44 @@ class EngineCollector(Collector):
             stages.add_metric([stage], seconds)
         stages.add_metric(["detokenize"], e.detokenize_seconds)
         yield stages
+        yield from spec_metrics(s)
         device = GaugeMetricFamily("tessellm:device_counter", "The device plugin's own "
                                    "counters (xla: xla_compilations, ...)", labels=["name"])
         for name, value in sorted(s.device_counters.items()):
             device.add_metric([name], value)
         yield device
+
+
+def spec_metrics(s) -> Iterator[Metric]:
+    """Speculative decoding, per method (vLLM's spec_decode_* counters, plus the acceptance
+    rate and mean accepted length they imply); nothing when the engine does not speculate."""
+    if not s.spec_method:
+        return
+    method = [s.spec_method]
+    for name, doc, value in (
+            ("spec_decode_num_proposals", "Proposals the proposer made (a request's drafts "
+             "for a step)", s.spec_proposals),
+            ("spec_decode_num_refused_proposals", "Proposals left out because they would not "
+             "pay (measured acceptance and step cost) or did not fit", s.spec_refused_proposals),
+            ("spec_decode_num_drafts", "Request-steps verified with drafts",
+             s.spec_verify_steps),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted",
+             s.spec_accepted_tokens)):
+        counter = CounterMetricFamily(f"tessellm:{name}", doc, labels=["method"])
+        counter.add_metric(method, value)
+        yield counter
+    rate = GaugeMetricFamily("tessellm:spec_decode_acceptance_rate", "Accepted / verified "
+                             "draft tokens since start", labels=["method"])
+    rate.add_metric(method, s.spec_accepted_tokens / s.spec_draft_tokens
+                    if s.spec_draft_tokens else 0.0)
+    yield rate
+    length = GaugeMetricFamily("tessellm:spec_decode_mean_accepted_length", "Tokens a verify "
+                               "step gives a request on average (accepted drafts + 1)",
+                               labels=["method"])
+    length.add_metric(method, 1 + s.spec_accepted_tokens / s.spec_verify_steps
+                      if s.spec_verify_steps else 0.0)
+    yield length
 
 
 class ServerMetrics:

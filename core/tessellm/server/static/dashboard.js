@@ -11,6 +11,16 @@ function tokenRange(run) {
     : `T${run.from_tokens}–${run.to_tokens}`;
 }
 
+// Speculative decoding's rows of the tokens card (none when the engine does not speculate).
+function speculativeRows(spec) {
+  if (!spec) return [];
+  return [
+    [`speculation (${spec.method}) acceptance`, fmtPercent(spec.acceptance_rate)],
+    ["mean accepted length", fmtNumber(spec.mean_accepted_length, 2)],
+    ["draft tokens accepted", `${fmtNumber(spec.accepted_tokens)} / ${fmtNumber(spec.draft_tokens)}`],
+  ];
+}
+
 export class Dashboard {
   constructor() {
     this.timer = null;
@@ -55,6 +65,7 @@ export class Dashboard {
       ["generated tok/s", fmtNumber(d.tokens.gen_tps, 1)],
       ["prompt tok/s", fmtNumber(d.tokens.prompt_tps, 1)],
       ["generated", fmtNumber(d.tokens.generated)], ["prompt", fmtNumber(d.tokens.prompt)],
+      ...speculativeRows(d.speculative),
     ]);
     byId("latency-window").textContent = `last ${Math.round(d.latency.window_s / 60)} min`;
     const lat = byId("latency-rows");

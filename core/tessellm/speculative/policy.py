@@ -1,0 +1,127 @@
+"""Never slower: which proposals a step takes, from measured costs and acceptance.
+
+Per request, `Acceptance` keeps decayed counts of draft trials: a verify step with d drafts of
+which a were accepted is a accepted trials and, when a < d, one rejected one (the trials
+after a rejection never happen). alpha = the per-token acceptance estimate (a Beta prior of
+strength 2 around the method's running alpha), and d drafts are worth
+E(d) = alpha + alpha^2 + .. + alpha^d expected extra tokens.
+
+Per step, `StepCosts` keeps the measured seconds of steps by token count, apart for steps with
+and without drafts (a verify step may run another path than a decode step: eager rows instead
+of a captured graph or native program). A step of T tokens that decodes N requests yields
+N tokens in c_plain(T) without drafts; taking proposals of D tokens worth E in all yields
+N + E tokens in c_spec(T + D). Proposals are taken, best E(d) / d first, while that goodput
+improves; a verify step of a size not measured yet is taken, and while the plain step's cost
+is unknown proposals whose cost is known are not (explore both, then learn). Under load
+(compute-bound steps, where c grows with T) the same rule takes fewer drafts or none.
+
+A request whose proposals were refused `probe_interval` steps in a row is taken once anyway,
+so its estimate follows a text that becomes predictable again (the cost of a probe is bounded
+by one verify step in probe_interval).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECAY = 0.8          # weight of the past in the acceptance counts, per verify step
+COST_DECAY = 0.8     # weight of the past in a step-cost estimate
+PRIOR_STRENGTH = 2.0
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Exact up to 32 tokens, then the next power of two."""
+    return num_tokens if num_tokens <= 32 else 1 << (num_tokens - 1).bit_length()
+
+
+@dataclass(slots=True)
+class Acceptance:
+    accepted: float = 0.0
+    rejected: float = 0.0
+    refused_steps: int = 0   # consecutive steps the policy left this request's drafts out
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (1.0 if accepted < drafted else 0.0)
+
+    def alpha(self, prior: float) -> float:
+        return (self.accepted + PRIOR_STRENGTH * prior) / (
+            self.accepted + self.rejected + PRIOR_STRENGTH)
+
+    def expected(self, drafts: int, prior: float) -> float:
+        """Expected accepted drafts out of `drafts`."""
+        a = self.alpha(prior)
+        total, term = 0.0, 1.0
+        for _ in range(drafts):
+            term *= a
+            total += term
+        return total
+
+
+class StepCosts:
+    """EMA of step seconds per (token bucket, with drafts)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, bool], float] = {}
+
+    def observe(self, num_tokens: int, with_drafts: bool, seconds: float) -> None:
+        key = (token_bucket(num_tokens), with_drafts)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else COST_DECAY * old + (1 - COST_DECAY) * seconds
+
+    def estimate(self, num_tokens: int, with_drafts: bool) -> float | None:
+        return self._seconds.get((token_bucket(num_tokens), with_drafts))
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A request's proposal this step (`acceptance` is its own, request.speculation's)."""
+
+    request: object
+    drafts: list[int]
+    acceptance: Acceptance
+
+
+class SpeculationPolicy:
+    def __init__(self, adaptive: bool = True, probe_interval: int = 16) -> None:
+        self.adaptive = adaptive
+        self.probe_interval = probe_interval
+        self.costs = StepCosts()
+        self.method_alpha = Acceptance()   # over every request: the prior of a new one
+
+    def prior(self) -> float:
+        return self.method_alpha.alpha(0.5)
+
+    def choose(self, candidates: list[Candidate], num_decodes: int, num_tokens: int
+               ) -> list[Candidate]:
+        """The candidates whose drafts this step takes (see the module docstring); the step
+        would otherwise compute `num_tokens` tokens and decode `num_decodes` requests."""
+        if not self.adaptive or not candidates:
+            return candidates
+        prior = self.prior()
+        plain = self.costs.estimate(num_tokens, False)
+        ranked = sorted(candidates, key=lambda c: -c.acceptance.expected(len(c.drafts), prior)
+                        / len(c.drafts))
+        taken: list[Candidate] = []
+        gain, extra = 0.0, 0
+        best = None if plain is None else num_decodes / plain
+        for c in ranked:
+            d = len(c.drafts)
+            e = c.acceptance.expected(d, prior)
+            cost = self.costs.estimate(num_tokens + extra + d, True)
+            if cost is None:   # a verify step of this size not measured yet: explore it
+                take = True
+            elif best is None:   # the plain step not measured yet: explore that first
+                take = False
+            else:
+                rate = (num_decodes + gain + e) / cost
+                take = rate > best
+                if take:
+                    best = rate
+            if take or c.acceptance.refused_steps >= self.probe_interval:
+                taken.append(c)
+                gain += e
+                extra += d
+                c.acceptance.refused_steps = 0
+            else:
+                c.acceptance.refused_steps += 1
+        return taken

@@ -1,0 +1,104 @@
+"""The engine core's side of speculation: proposals before schedule(), learning after a step.
+
+Each step, `propose` gives every eligible running request (decoding: only its last sampled
+token is missing; some output already; nothing pending on the device; no output constraint;
+room for one draft under max_tokens and max_model_len) a proposal from the proposer, and the
+policy (tessellm.speculative.policy) keeps those that pay; the kept ones are the requests'
+`draft_token_ids`, which the scheduler grants as extra tokens of the request under the
+step's token budget (tessellm.scheduling.batch_scheduler). Every other running request's
+drafts are cleared, so drafts never outlive the step they were proposed for.
+
+After the step, `observe_verify` records how many drafts each request accepted and
+`observe_step` the step's duration (the policy's costs). A request's RequestSpeculation
+(proposer state and acceptance) is created on first proposal and released with the request.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessellm.request import Request
+from tessellm.speculative.config import SpeculativeConfig
+from tessellm.speculative.policy import Acceptance, Candidate, SpeculationPolicy
+from tessellm.speculative.proposer import Proposer
+from tessellm.speculative.stats import SpecStats
+
+
+@dataclass(slots=True)
+class RequestSpeculation:
+    """One request's speculation state (request.speculation)."""
+
+    state: Any = None                       # the proposer's (an n-gram index, ...)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+
+def max_drafts(request: Request, k: int, max_model_len: int) -> int:
+    """Drafts a decoding request may verify in one step: the step computes its last token
+    and the drafts, and may return them all plus one, so they must fit max_tokens outputs and
+    the positions below max_model_len (the KV its validation reserved)."""
+    outputs = len(request.output_token_ids)
+    return max(0, min(k, request.params.max_tokens - outputs - 1,
+                      max_model_len - 1 - request.num_tokens))
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, max_model_len: int
+                 ) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.policy = SpeculationPolicy(config.adaptive)
+        self.stats = SpecStats(method=config.method)
+
+    def _eligible(self, r: Request) -> int:
+        if r.is_finished or r.num_pending or r.constraint is not None \
+                or not r.output_token_ids or r.num_computed_tokens != r.num_tokens - 1:
+            return 0
+        return max_drafts(r, self.config.num_speculative_tokens, self.max_model_len)
+
+    def propose(self, running: Sequence[Request], max_num_batched_tokens: int) -> None:
+        """Set the drafts of the running requests for the next schedule()."""
+        requests, ks = [], []
+        num_tokens = num_decodes = 0
+        for r in running:
+            r.draft_token_ids = []
+            missing = r.num_tokens - r.num_computed_tokens
+            num_tokens += missing
+            num_decodes += missing == 1
+            k = self._eligible(r)
+            if k:
+                if r.speculation is None:
+                    r.speculation = RequestSpeculation()
+                requests.append(r)
+                ks.append(k)
+        if not requests:
+            return
+        proposals = self.proposer.propose(requests, ks)
+        candidates = []
+        for r, k, drafts in zip(requests, ks, proposals):
+            if drafts:
+                candidates.append(Candidate(r, list(drafts[:k]), r.speculation.acceptance))
+        self.stats.proposals += len(candidates)
+        taken = self.policy.choose(candidates, num_decodes,
+                                   min(num_tokens, max_num_batched_tokens))
+        self.stats.refused_proposals += len(candidates) - len(taken)
+        for c in taken:
+            c.request.draft_token_ids = c.drafts
+
+    def observe_verify(self, request: Request, drafted: int, accepted: int) -> None:
+        """A verify step's outcome for one request (drafted >= 1 scheduled drafts)."""
+        self.stats.verify_steps += 1
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        if request.speculation is not None:
+            request.speculation.acceptance.observe(drafted, accepted)
+        self.policy.method_alpha.observe(drafted, accepted)
+
+    def observe_step(self, seconds: float, num_tokens: int, with_drafts: bool) -> None:
+        self.policy.costs.observe(num_tokens, with_drafts, seconds)
+
+    def release(self, request: Request) -> None:
+        if request.speculation is not None:
+            self.proposer.release(request)
+            request.speculation = None

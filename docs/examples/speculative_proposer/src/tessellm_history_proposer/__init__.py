@@ -1,0 +1,1 @@
+"""A speculative proposer that drafts from what earlier requests generated."""
