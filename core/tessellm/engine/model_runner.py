@@ -67,18 +67,13 @@ PADDING_ROW = SampleRequest(SamplingParams(temperature=0.0), 0, (), ())
 
 @dataclass(frozen=True, slots=True)
 class RunnerLimits:
-    """`max_sampled_rows`: logits rows a step samples (max_num_seqs; with speculation each
-    sequence samples after each of its drafts too)."""
+    """`max_num_seqs`: rows a step may have, each sampled once (the engine's max_num_seqs;
+    with speculation, times 1 + k: a verify entry is a decode row per draft plus one)."""
 
     block_size: int
     max_num_batched_tokens: int
     max_num_seqs: int
     max_blocks_per_seq: int
-    max_sampled_rows: int = 0   # 0: max_num_seqs
-
-    @property
-    def sampled_rows(self) -> int:
-        return self.max_sampled_rows or self.max_num_seqs
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +88,11 @@ class SamplerKernels:
 def _buffer_shapes(limits: RunnerLimits, overlap: bool,
                    token_masks: StepMasks | None, staged_masks: bool) -> dict:
     T, B, W = limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
-    S = limits.sampled_rows
     shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
               "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
               "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
-              "logits_indices": ((S + T,), torch.int64),   # + prompt logprobs' rows
-              SAMPLE_ROWS: ((S,), torch.int64), SAMPLE_TABLE: ((4 * S,), torch.float32),
+              "logits_indices": ((B + T,), torch.int64),   # + prompt logprobs' rows
+              SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32),
               "fresh_blocks": ((max_fresh_blocks(limits),), torch.int64)}
     if overlap:
         shapes.update(feed_rows=((B,), torch.int64), feed_src=((B,), torch.int64))
@@ -131,7 +125,7 @@ class ModelRunner:
         self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
         self.staging = InputStaging(device, _buffer_shapes(limits, overlap, token_masks,
                                                            self._stages),
-                                    readback_rows=limits.sampled_rows, sets=2 if overlap else 1)
+                                    readback_rows=limits.max_num_seqs, sets=2 if overlap else 1)
         stage = self.staging.stage_small if self._stages else None
         self.sampler = Sampler(sampler_kernels.sample, stage, sampler_kernels.greedy,
                                sampler_kernels.bitmask)
@@ -332,7 +326,7 @@ class ModelRunner:
         masks = self.token_masks.start(s.sampled) if self.token_masks is not None else None
         t1 = time.perf_counter()
         logits, uploaded = self._forward(
-            s, [sched.request.request_id for sched in out.scheduled], self.shapes.padding(s),
+            s, s.row_request_ids, self.shapes.padding(s),
             swapped_in, previous)
         t2 = time.perf_counter()
         self.stage_times.add("prepare_inputs", t1 - t0)

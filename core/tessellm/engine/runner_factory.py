@@ -77,6 +77,9 @@ def async_scheduling_enabled(parts: EngineParts) -> bool:
     return wanted
 
 
+MAX_VERIFY_GRAPH_ROWS = 64
+
+
 def make_model_runner(parts: EngineParts) -> ModelRunner:
     """The runner of an engine's parts (on every rank of a tensor-parallel group; rank 0's
     sends its device work to the others)."""
@@ -87,13 +90,16 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
         raise ConfigError(f"speculative_config is not supported on device "
                           f"{parts.device.name!r} yet, which compiles static step shapes "
                           "(verify steps would need shapes of their own)")
-    limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, c.max_num_seqs,
-                          math.ceil(parts.max_model_len / c.block_size),
-                          c.max_num_seqs * (1 + drafts))
+    rows = c.max_num_seqs * (1 + drafts)   # a verify entry: a decode row per draft, plus one
+    limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, rows,
+                          math.ceil(parts.max_model_len / c.block_size))
+    # decode graphs / programs up to the rows of one step (verify steps of few sequences
+    # included), at most max(max_num_seqs, MAX_VERIFY_GRAPH_ROWS): wider steps run eagerly
+    graph_rows = max(c.max_num_seqs, min(rows, MAX_VERIFY_GRAPH_ROWS))
     return ModelRunner(
         parts.device, parts.plan, parts.kv_caches, limits,
         host_kv_caches=parts.host_kv_caches,
-        graph_sizes=() if c.enforce_eager else parts.device.decode_graph_sizes(c.max_num_seqs),
+        graph_sizes=() if c.enforce_eager else parts.device.decode_graph_sizes(graph_rows),
         static_shapes=parts.device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs),
         followers=parts.parallel.channel if leads else None,
         overlap=async_scheduling_enabled(parts),

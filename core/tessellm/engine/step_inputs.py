@@ -65,6 +65,7 @@ class StepInputs:
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
     block_tables: list[Sequence[int]] = field(default_factory=list)  # read-only views
+    row_request_ids: list[str] = field(default_factory=list)   # whose table each row is
     seq_lens: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)
@@ -127,18 +128,24 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     """One row per scheduled request; a logits index (and sampled request) per request that
     completes in this step, followed by one per sibling forking from it (out.forks): they
     sample from its row, each with its own SamplingParams and seed. A request that wants
-    prompt logprobs also has its computed prompt positions' rows read (prompt_rows). An entry
-with drafts (speculation) is the request's last token then its drafts, and samples at each of
-them (one sampled row per draft plus one; sample_offsets 0..d): position
+    prompt logprobs also has its computed prompt positions' rows read (prompt_rows): position
     p's logits give the logprob of prompt token p + 1, for p from the entries it has up to
-    the second-to-last prompt token (the last one's logits are the sampled row)."""
+    the second-to-last prompt token (the last one's logits are the sampled row).
+
+    An entry with drafts (speculation: the request's last token, then d drafts) is d + 1
+    decode rows, one token each at positions start..start+d, row j attending to the first
+    start + j + 1 positions of the same block table (the step writes every row's KV before
+    any row attends, so row j sees the drafts before it): a verify step is a decode step of
+    more rows, on the decode kernels and programs. Each row is sampled (sample_offsets j)."""
     s = StepInputs()
     for sched in out.scheduled:
         r, n, drafts = sched.request, sched.num_tokens, sched.draft_token_ids
         start, stop = r.num_computed_tokens, r.num_computed_tokens + n
-        real_stop = stop - len(drafts)
+        if drafts:
+            _verify_rows(s, r, drafts, start, kv)
+            continue
         known = r.num_known_tokens
-        if real_stop > known:   # its pending token (async scheduling): fed on the device
+        if stop > known:   # its pending token (async scheduling): fed on the device
             if stop - known != 1 or r.num_pending != 1:
                 raise RuntimeError(f"request {r.request_id!r}: {stop - known} pending input "
                                    f"tokens in one step (at most one may be in flight)")
@@ -151,20 +158,14 @@ them (one sampled row per draft plus one; sample_offsets 0..d): position
                 row0 = len(s.token_ids) - start
                 s.prompt_rows += range(row0 + first, row0 + last)
                 s.prompt_spans.append((r, first, last - first))
-        s.token_ids += r.token_ids_slice(start, real_stop)
-        if drafts:   # speculation: the drafts follow the request's last token
-            s.token_ids += drafts
+        s.token_ids += r.token_ids_slice(start, stop)
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)
         s.block_tables.append(kv.block_table_view(r.request_id))
+        s.row_request_ids.append(r.request_id)
         s.seq_lens.append(stop)
         s.query_lens.append(n)
-        if drafts:   # a verify entry samples at its last token and after every draft
-            first = len(s.token_ids) - len(drafts) - 1
-            s.logits_indices += range(first, len(s.token_ids))
-            s.sampled += [r] * (len(drafts) + 1)
-            s.sample_offsets += range(len(drafts) + 1)
-        elif stop == r.num_tokens:  # fully computed after this step: sample its next token
+        if stop == r.num_tokens:  # fully computed after this step: sample its next token
             s.logits_indices.append(len(s.token_ids) - 1)
             s.sampled.append(r)
             s.sample_offsets.append(0)
@@ -175,3 +176,22 @@ them (one sampled row per draft plus one; sample_offsets 0..d): position
     while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
         s.num_decodes += 1
     return s
+
+
+def _verify_rows(s: StepInputs, r: Request, drafts: Sequence[int], start: int,
+                 kv: KVCacheManager) -> None:
+    """A verify entry's d + 1 decode rows (see build_step_inputs)."""
+    count = len(drafts) + 1
+    table = kv.block_table_view(r.request_id)
+    first = len(s.token_ids)
+    s.token_ids += r.token_ids_slice(start, start + 1)
+    s.token_ids += drafts
+    s.positions += range(start, start + count)
+    s.slot_mapping += kv.slot_mapping(r, start, start + count)
+    s.block_tables += [table] * count
+    s.row_request_ids += [r.request_id] * count
+    s.seq_lens += range(start + 1, start + count + 1)
+    s.query_lens += [1] * count
+    s.logits_indices += range(first, first + count)
+    s.sampled += [r] * count
+    s.sample_offsets += range(count)
