@@ -36,6 +36,7 @@ from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
 from tessellm.parallel.group import ParallelGroup, require_torch_backend
 from tessellm.parallel.launch import start_group
+from tessellm.engine.step_rows import max_graph_rows
 from tessellm.speculative.proposer import known_proposer
 from tessellm.plugins import PluginManager
 
@@ -125,7 +126,7 @@ def make_selector(config: EngineConfig, registry: KernelRegistry,
     identity = (f"{device.name}-{device.version}|torch={torch.__version__}"
                 f"|tessellm={tessellm.__version__}|{platform.machine()}|threads={torch.get_num_threads()}")
     replayed = frozenset() if config.enforce_eager else frozenset(
-        token_bucket(s) for s in device.decode_graph_sizes(config.max_num_seqs))
+        token_bucket(s) for s in device.decode_graph_sizes(max_graph_rows(config)))
     return KernelSelector(
         registry, device.name, device.torch_device_type, device.synchronize,
         policy=config.kernel_selection,

@@ -11,6 +11,7 @@ import torch
 from tessellm.constraints.step_masks import StepMasks
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.model_runner import ModelRunner, RunnerLimits, SamplerKernels
+from tessellm.engine.step_rows import max_graph_rows, max_step_rows
 from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, SelectBitmaskKernel,
                                      SelectGreedyKernel, SelectSampleKernel,
                                      bitmask_kernel_query, greedy_kernel_query,
@@ -77,9 +78,6 @@ def async_scheduling_enabled(parts: EngineParts) -> bool:
     return wanted
 
 
-MAX_VERIFY_GRAPH_ROWS = 64
-
-
 def make_model_runner(parts: EngineParts) -> ModelRunner:
     """The runner of an engine's parts (on every rank of a tensor-parallel group; rank 0's
     sends its device work to the others)."""
@@ -90,12 +88,9 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
         raise ConfigError(f"speculative_config is not supported on device "
                           f"{parts.device.name!r} yet, which compiles static step shapes "
                           "(verify steps would need shapes of their own)")
-    rows = c.max_num_seqs * (1 + drafts)   # a verify entry: a decode row per draft, plus one
-    limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, rows,
+    limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, max_step_rows(c),
                           math.ceil(parts.max_model_len / c.block_size))
-    # decode graphs / programs up to the rows of one step (verify steps of few sequences
-    # included), at most max(max_num_seqs, MAX_VERIFY_GRAPH_ROWS): wider steps run eagerly
-    graph_rows = max(c.max_num_seqs, min(rows, MAX_VERIFY_GRAPH_ROWS))
+    graph_rows = max_graph_rows(c)
     return ModelRunner(
         parts.device, parts.plan, parts.kv_caches, limits,
         host_kv_caches=parts.host_kv_caches,

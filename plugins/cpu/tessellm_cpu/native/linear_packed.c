@@ -14,9 +14,9 @@
  * precomputed once per row of x. The result equals the float32 product with the dequantized
  * weight up to summation order (and, for Q6_K, the order of its two scale products).
  * Work (AVX-512): OpenMP over groups of NR output features, each thread's groups in order and
- * prefetched about 4 KiB ahead; a group runs the rows of x in tiles of MR (then one at a
- * time), so each decoded block serves MR rows and each x block NR features, and the group's
- * weights stay in L1 across the tiles. The scales of 16 blocks are converted at once and a
+ * prefetched about 4 KiB ahead; a group runs the rows of x in tiles of MR (then one tile of
+ * the 1 .. MR - 1 rows left), so each decoded block serves up to MR rows and each x block NR
+ * features, and the group's weights stay in L1 across the tiles. The scales of 16 blocks are converted at once and a
  * nibble becomes its float by a 16-entry table lookup. Portable C otherwise: OpenMP over
  * output features, tiles of MT rows, each block dequantized then dotted.
  */
@@ -267,6 +267,8 @@ INLINE void tile_out(const float *x, const float *xs, int64_t K, const uint8_t *
     } while (0)
     if (nr == NR && mr == MR) TILE_Q(NR, MR);
     else if (nr == NR && mr == 1) TILE_Q(NR, 1);
+    else if (nr == NR && mr == 2) TILE_Q(NR, 2);
+    else if (nr == NR && mr == 3) TILE_Q(NR, 3);
     else TILE_Q(nr, mr);
 #undef TILE_Q
     for (int i = 0; i < mr; i++)
@@ -340,7 +342,8 @@ int linear_packed_team(const LinearPackedArgs *a) {
         int64_t m0 = 0;
         for (; m0 + MR <= M; m0 += MR, pf = NULL)
             tile_out(x, xs, K, w, row, qtype, n0, nr, m0, MR, bias, out, N, pf);
-        for (; m0 < M; m0++, pf = NULL) tile_out(x, xs, K, w, row, qtype, n0, nr, m0, 1, bias, out, N, pf);
+        if (m0 < M)   /* the last 1 .. MR - 1 rows: one more pass over the group's weights */
+            tile_out(x, xs, K, w, row, qtype, n0, nr, m0, (int)(M - m0), bias, out, N, pf);
     }
 #else
 #pragma omp for schedule(static) nowait

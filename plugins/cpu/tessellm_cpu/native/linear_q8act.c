@@ -15,8 +15,8 @@
  * Per block: sum_j w_j xq_j dx = dx d (q . xq) + m dx (sum xq): the integer dot product is
  * exact, the scaling is float32, so the result equals the float32 product of the two
  * dequantized operands up to rounding. Work: OpenMP over groups of NR output features; each
- * group runs every row of x in tiles of MR rows (its weights stay in L1) and prefetches the
- * group about 4 KiB ahead. Needs AVX-512 BW + VNNI (the build fails without them, and the
+ * group runs every row of x in tiles of MR rows, the last of 1 .. MR rows (its weights stay
+ * in L1), and prefetches the group about 4 KiB ahead. Needs AVX-512 BW + VNNI (the build fails without them, and the
  * kernel is then not offered).
  */
 #include <immintrin.h>
@@ -362,8 +362,12 @@ int linear_q8act_team(const LinearQ8ActArgs *a) {
         int64_t i = 0;
         for (; i + MR <= M; i += MR, pf = NULL)
             tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf);
-        for (; i < M; i++, pf = NULL)
-            tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf);
+        switch (M - i) {   /* the last rows as one tile (constant sizes: kept in registers) */
+        case 3: tile_out(rows, i, 3, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf); break;
+        case 2: tile_out(rows, i, 2, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf); break;
+        case 1: tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf); break;
+        default: break;
+        }
     }
     return 0;
 }
