@@ -122,6 +122,9 @@ _SAMPLING = {
     "structured_outputs": "vLLM's constraint: exactly one of `json` (a schema), `json_object`, "
                           "`regex`, `choice` (a list of strings), `grammar` (Lark or GBNF), "
                           "with optional `disable_any_whitespace` (extension)",
+    "num_speculative_tokens": "on a server started with `--speculative-config`: this "
+                              "request's cap on draft tokens per step, 0 for none (more than "
+                              "the server's k is a 400); the output is the same (extension)",
     "guided_json": "vLLM's older name for structured_outputs.json (extension)",
     "guided_regex": "vLLM's older name for structured_outputs.regex (extension)",
     "guided_choice": "vLLM's older name for structured_outputs.choice (extension)",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tessellm.constraints.structured_outputs import StructuredOutputs
 from tessellm.errors import InvalidRequestError
+from tessellm.speculative.config import MAX_SPECULATIVE_TOKENS
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask logprobs for (OpenAI's cap)
 MAX_STOP_STRINGS = 16  # the most stop strings a request may carry (the server's schema too)
@@ -121,6 +122,10 @@ class SamplingParams:
     JSON object, a regex, a choice, a grammar); tokens that would break it get -inf after the
     logit bias, so greedy, sampling and logprobs all see only allowed tokens, and a complete
     constrained output finishes the request (reason "stop").
+    `num_speculative_tokens`: this request's cap on draft tokens per step on an engine that
+    speculates (tessellm.speculative): None takes the engine's k, 0 turns speculation off
+    for it, 1..k lowers it (more than the engine's k is refused by the engine). Outputs are
+    the same either way; only speed changes.
     """
 
     max_tokens: int = 16
@@ -140,6 +145,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if _int64("max_tokens", self.max_tokens) < 1:
@@ -193,6 +199,12 @@ class SamplingParams:
                                       "prompt_logprobs")
         self.logit_bias = _logit_bias(self.logit_bias)
         self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or not 0 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise InvalidRequestError(f"num_speculative_tokens must be None or an integer in "
+                                      f"[0, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
+                                      "num_speculative_tokens")
 
     @property
     def greedy(self) -> bool:

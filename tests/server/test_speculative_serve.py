@@ -79,3 +79,25 @@ def test_a_bad_config_is_refused_at_start_up(stories_dir, config, message):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("value", [-1, 17, 4, "3", 2.5, True, [1], {"k": 2}, 10**30])
+def test_hostile_num_speculative_tokens_is_a_400(server, value):
+    status, _, body = request(server, "POST", "/v1/completions", {
+        "model": "stories260K-hf", "prompt": PROMPT, "max_tokens": 5,
+        "num_speculative_tokens": value})
+    assert status == 400, body
+    assert "num_speculative_tokens" in json.dumps(body)
+    status, _, body = request(server, "POST", "/v1/chat/completions", {
+        "model": "stories260K-hf", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5, "num_speculative_tokens": value})
+    assert status == 400 and "num_speculative_tokens" in json.dumps(body), body
+
+
+def test_a_request_may_lower_or_turn_off_speculation(server):
+    for k in (0, 1, 3):
+        status, _, out = request(server, "POST", "/v1/completions", {
+            "model": "stories260K-hf", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "num_speculative_tokens": k})
+        assert status == 200, out
+    assert wait_idle(server)["tessellm:kv_cache_usage_perc"] == 0

@@ -11,6 +11,7 @@ import pytest
 
 from tessellm import LLM, SamplingParams
 from tessellm.constraints.structured_outputs import StructuredOutputs
+from tessellm.errors import InvalidRequestError
 
 STORY = ("Once upon a time, there was a little girl named Lily. She liked to play with her "
          "ball. One day, Lily went to the park with her mom. ")
@@ -217,3 +218,19 @@ def test_adaptive_speculation_backs_off_where_proposals_miss(stories_dir):
     stats = llm.engine.speculator.stats
     assert stats.proposals > 20
     assert stats.refused_proposals > stats.proposals / 2, stats
+
+
+def test_a_request_caps_or_turns_off_its_own_speculation(stories_dir, plain):
+    llm = speculating(stories_dir)
+    stats = llm.engine.speculator.stats
+    base = dict(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = tokens(plain, PROMPTS[:1], SamplingParams(**base))
+    assert tokens(llm, PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=0)) == want
+    assert stats.verify_steps == 0
+    assert tokens(llm, PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=1)) == want
+    assert stats.verify_steps > 0 and stats.draft_tokens == stats.verify_steps
+    with pytest.raises(InvalidRequestError, match="exceeds this engine's 4"):
+        llm.generate(PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=5))
+    with pytest.raises(InvalidRequestError, match="does not speculate"):
+        plain.generate(PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=2))
+    assert tokens(plain, PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=0)) == want

@@ -115,7 +115,8 @@ class AsyncEngine:
         self.info = core.ready
         self.limits = RequestLimits(self.info.priority_levels, self.info.vocab_size,
                                     self.info.max_model_len, self.info.block_size,
-                                    self.info.num_kv_blocks, self.info.prompt_logprobs)
+                                    self.info.num_kv_blocks, self.info.prompt_logprobs,
+                                    self.info.speculative_tokens)
         self.max_waiting = max_waiting
         self.observer = observer
         self.stats = CoreStats()

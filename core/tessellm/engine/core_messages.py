@@ -58,6 +58,7 @@ class Ready(msgspec.Struct, tag=True):
     plugin_version: str = ""        # its distribution's version
     max_num_seqs: int = 0           # the running batch's sequence cap (0: unknown)
     prompt_logprobs: bool = True    # False on a device whose steps have static shapes
+    speculative_tokens: int = 0     # the engine's k (0: it does not speculate)
 
 
 class StartupFailed(msgspec.Struct, tag=True):

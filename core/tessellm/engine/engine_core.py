@@ -89,7 +89,8 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
                  weight_bytes=p.weight_bytes, eos_token_ids=sorted(p.eos_token_ids),
                  kernel_choices=kernel_choices, plugin=plugin, plugin_version=plugin_version,
                  max_num_seqs=c.max_num_seqs,
-                 prompt_logprobs=engine.limits.prompt_logprobs)
+                 prompt_logprobs=engine.limits.prompt_logprobs,
+                 speculative_tokens=engine.limits.speculative_tokens)
 
 
 class EngineCoreLoop:

@@ -87,7 +87,9 @@ class LLMEngine:
         self.limits = RequestLimits(
             c.priority_levels, parts.spec.vocab_size, self.max_model_len, c.block_size,
             self.kv.num_blocks, prompt_logprobs=parts.device.static_shapes(
-                c.max_num_batched_tokens, c.max_num_seqs) is None)
+                c.max_num_batched_tokens, c.max_num_seqs) is None,
+            speculative_tokens=0 if c.speculative_config is None
+            else c.speculative_config.num_speculative_tokens)
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(lambda: guidance_tokenizer(
             parts.tokenizer, parts.spec.vocab_size, parts.eos_token_ids))

@@ -17,7 +17,8 @@ from tessellm.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     """prompt_logprobs: whether the engine can return prompt logprobs (a device whose steps
-    have static shapes cannot)."""
+    have static shapes cannot). speculative_tokens: the engine's k (0: it does not
+    speculate), the most a request's num_speculative_tokens may ask."""
 
     priority_levels: int
     vocab_size: int
@@ -25,6 +26,7 @@ class RequestLimits:
     block_size: int
     num_kv_blocks: int
     prompt_logprobs: bool = True
+    speculative_tokens: int = 0
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, n: int = 1) -> None:
@@ -62,6 +64,12 @@ class RequestLimits:
         if needed > self.num_kv_blocks:
             raise InvalidRequestError(f"the request needs {needed} KV blocks but the pool has "
                                       f"{self.num_kv_blocks}")
+        k = params.num_speculative_tokens
+        if k and k > self.speculative_tokens:
+            raise InvalidRequestError(
+                f"num_speculative_tokens {k} exceeds this engine's {self.speculative_tokens}"
+                + (" (it does not speculate: start it with a speculative_config)"
+                   if not self.speculative_tokens else ""), "num_speculative_tokens")
         if params.prompt_logprobs is not None and not self.prompt_logprobs:
             raise InvalidRequestError("prompt logprobs are not supported on this engine's "
                                       "device, whose steps have static shapes",

@@ -60,6 +60,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, logprobs=logprobs,
             logit_bias=dict(req.logit_bias) if req.logit_bias else None,
-            structured_outputs=constraint, prompt_logprobs=prompt_logprobs)
+            structured_outputs=constraint, prompt_logprobs=prompt_logprobs,
+            num_speculative_tokens=req.num_speculative_tokens)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=e.param) from None

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tessellm.sampling_params import MAX_LOGPROBS, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
+from tessellm.speculative.config import MAX_SPECULATIVE_TOKENS
 from tessellm.server.structured_protocol import (GuidedFields, ResponseFormat,
                                                  StructuredOutputsRequest)
 from tessellm.server.tool_protocol import Tool, ToolCallMessage, ToolChoice
@@ -65,6 +66,9 @@ class SamplingFields(GuidedFields, _Strict):
         None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # speculative decoding on a server that speculates: this request's cap on drafts per step
+    # (0: none); more than the server's k is a 400
+    num_speculative_tokens: int | None = Field(None, ge=0, le=MAX_SPECULATIVE_TOKENS)
 
     @field_validator("stop")
     @classmethod

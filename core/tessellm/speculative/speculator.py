@@ -2,7 +2,7 @@
 
 Each step, `propose` gives every eligible running request (decoding: only its last sampled
 token is missing; some output already; nothing pending on the device; no output constraint;
-room for one draft under max_tokens and max_model_len) a proposal from the proposer, and the
+room for one draft under max_tokens and max_model_len; its num_speculative_tokens not 0) a proposal from the proposer, and the
 policy (tessellm.speculative.policy) keeps those that pay; the kept ones are the requests'
 `draft_token_ids`, which the scheduler grants as extra tokens of the request under the
 step's token budget (tessellm.scheduling.batch_scheduler). Every other running request's
@@ -55,7 +55,10 @@ class Speculator:
         if r.is_finished or r.num_pending or r.constraint is not None \
                 or not r.output_token_ids or r.num_computed_tokens != r.num_tokens - 1:
             return 0
-        return max_drafts(r, self.config.num_speculative_tokens, self.max_model_len)
+        k = self.config.num_speculative_tokens
+        if r.params.num_speculative_tokens is not None:   # the request's own cap (0: off)
+            k = min(k, r.params.num_speculative_tokens)
+        return max_drafts(r, k, self.max_model_len) if k else 0
 
     def propose(self, running: Sequence[Request], max_num_batched_tokens: int) -> None:
         """Set the drafts of the running requests for the next schedule()."""
