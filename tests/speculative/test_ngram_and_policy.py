@@ -128,3 +128,14 @@ def test_non_adaptive_takes_everything():
     policy.costs.observe(1, False, 0.001)
     policy.costs.observe(5, True, 1.0)
     assert len(policy.choose([_candidate(4, 0, 50)], 1, 1)) == 1
+
+
+def test_policy_cuts_a_proposal_to_the_length_that_pays():
+    """Verify steps cost the same up to 4 rows and double past them (a kernel's row tile):
+    a well-accepted proposal of 6 drafts is cut to 3 (4 rows)."""
+    policy = SpeculationPolicy(adaptive=True)
+    policy.costs.observe(1, False, 0.010)
+    for rows in range(2, 8):
+        policy.costs.observe(rows, True, 0.012 if rows <= 4 else 0.024)
+    c = _candidate(6, 40, 2)
+    assert policy.choose([c], 1, 1) == [c] and len(c.drafts) == 3

@@ -234,3 +234,19 @@ def test_a_request_caps_or_turns_off_its_own_speculation(stories_dir, plain):
     with pytest.raises(InvalidRequestError, match="does not speculate"):
         plain.generate(PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=2))
     assert tokens(plain, PROMPTS[:1], SamplingParams(**base, num_speculative_tokens=0)) == want
+
+
+def test_verify_steps_wider_than_the_decode_programs_run_eagerly(stories_dir):
+    """20 sequences x (1 + 4) rows: verify steps of up to 100 rows, past the 64 rows decode
+    programs cover; every bucket they meet (the LM head's sampled rows included) had its
+    kernel chosen, and its weight layout made, before the first request."""
+    prompts = [f"{PROMPTS[1]} {i}" for i in range(20)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = tokens(LLM(str(stories_dir), dtype="bfloat16", load_progress=False,
+                      max_num_seqs=20), prompts, params)
+    llm = LLM(str(stories_dir), load_progress=False, dtype="bfloat16", max_num_seqs=20,
+              speculative_config=NGRAM)
+    chosen = dict(llm.engine.parts.selector.chosen())
+    assert tokens(llm, prompts, params) == want
+    assert llm.engine.speculator.stats.verify_steps > 0
+    assert llm.engine.parts.selector.chosen() == chosen   # nothing chosen while serving

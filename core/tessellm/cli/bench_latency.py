@@ -4,6 +4,7 @@ W3/W4 (`--workload random`): one prompt of input_len ids from
 numpy.random.default_rng(seed + run).integers(100, high), output_len greedy tokens, EOS
 ignored. W6 (`--workload copy`): run r's prompt is tessellm.cli.copy_workload's chat turn r
 (a ~400-token file to give back with an edit), greedy up to output_len tokens or EOS.
+`--temperature T` samples instead (seed + run), e.g. W4 as natural text for speculation.
 `--speculative METHOD` (or --speculative-config JSON) speculates, and the result holds its
 counters. Prefill tok/s = prompt tokens / time to the first token,
 decode tok/s = tokens after the first / time after the first (as the llama.cpp peer script
@@ -36,11 +37,12 @@ def resident_bytes() -> int | None:
     return None
 
 
-def one_stream(llm: Any, ids: list[int], output_len: int, ignore_eos: bool = True
-               ) -> dict[str, float]:
+def one_stream(llm: Any, ids: list[int], output_len: int, ignore_eos: bool = True,
+               temperature: float = 0.0, seed: int | None = None) -> dict[str, float]:
     from tessellm import SamplingParams
     engine = llm.engine
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
+    params = SamplingParams(max_tokens=output_len, temperature=temperature, seed=seed,
+                            ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     req = engine.add_request(ids, params)
     while not req.output_token_ids:
@@ -99,7 +101,8 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         return np.random.default_rng(a.seed + r).integers(100, high, size=a.input_len).tolist()
 
     for r in range(a.runs + 1):  # run 0 warms up (and profiles the buckets it meets)
-        res = one_stream(llm, prompt(r), a.output_len, ignore_eos=not copy)
+        res = one_stream(llm, prompt(r), a.output_len, ignore_eos=not copy,
+                         temperature=a.temperature, seed=a.seed + r)
         if r:
             runs.append(res)
         bar.update()
@@ -110,7 +113,8 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
     if profiling:   # one more run, instrumented, not in the figures above
         from tessellm.engine.op_profile import OpProfile
         with OpProfile(llm.engine) as prof:
-            one_stream(llm, prompt(2000), a.output_len, ignore_eos=not copy)
+            one_stream(llm, prompt(2000), a.output_len, ignore_eos=not copy,
+                       temperature=a.temperature, seed=a.seed + 2000)
         profile = prof.report()
         bar.update()
     bar.close()
@@ -122,6 +126,7 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         "packed_activations": "q8_0" if "q8_activations" in parts.pass_report.applied
         else "float", "threads": torch.get_num_threads(),
         "in_len": a.input_len, "out_len": a.output_len, "runs": a.runs,
+        "temperature": a.temperature,
         "load_s": round(load_s, 2), "weight_bytes": parts.weight_bytes,
         "kv_cache_bytes": sum(t.numel() * t.element_size() for t in parts.kv_caches),
         "rss_after_load_bytes": rss, **med, **per_run,

@@ -334,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--output-len", type=int, default=128)
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up run")
+    lt.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (seed + run) instead of greedy")
     lt.add_argument("--workload", choices=["random", "copy"], default="random",
                     help="random: random prompt ids, EOS ignored (W3/W4); copy: chat prompts "
                          "holding a ~400-token file to give back with an edit (W6)")

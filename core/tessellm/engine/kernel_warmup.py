@@ -1,7 +1,7 @@
 """Kernel choice before the first request: every token bucket an engine can meet is
 profiled (or resolved by the kernel_selection policy) up front, and so are the sampler's
 `sample_tokens`, `greedy_tokens` and `apply_token_bitmask` kernels for every bucket of rows up
-to max_num_seqs (on a device that has them; greedy in the model's dtype and in float32, the
+to the rows a step may sample (max_num_seqs, times 1 + k with speculation; on a device that has them; greedy in the model's dtype and in float32, the
 dtype of penalised logits; the token mask in float32); then weights take the layout their
 kernels read
 (tessellm.graph.lowering.adopt_weight_layouts), then the device's decode graphs are captured
@@ -20,6 +20,7 @@ import torch
 from tessellm.engine.builder import EngineParts
 from tessellm.engine.llm_engine import LLMEngine
 from tessellm.engine.startup_progress import StartupProgress
+from tessellm.engine.step_rows import max_step_rows
 from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, bitmask_kernel_query,
                                      greedy_kernel_query, sample_kernel_query)
 from tessellm.graph.lowering import adopt_weight_layouts, select_all_kernels
@@ -59,15 +60,16 @@ def choose_kernels(parts: EngineParts, sample_kernels: bool = True,
     let weights take their kernels' layout; returns {bucket key: kernel name}. Every rank of
     a tensor-parallel engine does this for its own shard (a worker samples nothing)."""
     c = parts.config
-    buckets = token_buckets(max(c.max_num_batched_tokens, c.max_num_seqs))
+    rows = max_step_rows(c)   # sampled rows (decodes, or a verify entry's rows)
+    buckets = token_buckets(max(c.max_num_batched_tokens, rows))
     choices: dict[str, str] = {}
     if progress:
         progress.stage(f"choosing kernels for {len(buckets)} token buckets (cached decisions "
                        "are reused)")
     for i, b in enumerate(buckets):
         measured = parts.selector.profiled
-        choices.update(select_all_kernels(parts.plan, b, c.max_num_seqs))
-        if sample_kernels and b <= token_bucket(c.max_num_seqs):
+        choices.update(select_all_kernels(parts.plan, b, rows))
+        if sample_kernels and b <= token_bucket(rows):
             choices.update(_select_sample_kernels(parts, b))
         if progress and parts.selector.profiled > measured:
             progress.stage(f"profiled kernels for token bucket {b} ({i + 1}/{len(buckets)})")

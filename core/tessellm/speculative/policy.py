@@ -10,8 +10,9 @@ Per step, `StepCosts` keeps the measured seconds of steps by token count, apart 
 and without drafts (a verify step may run another path than a decode step: eager rows instead
 of a captured graph or native program). A step of T tokens that decodes N requests yields
 N tokens in c_plain(T) without drafts; taking proposals of D tokens worth E in all yields
-N + E tokens in c_spec(T + D). Proposals are taken, best E(d) / d first, while that goodput
-improves; a verify step of a size not measured yet is taken, and while the plain step's cost
+N + E tokens in c_spec(T + D). Proposals are taken, best E(d) / d first, each cut to the
+length (1 .. its own) that gives the step the best tokens per second, while that improves on
+the step without it; a verify step of a size not measured yet is taken, and while the plain step's cost
 is unknown proposals whose cost is known are not (explore both, then learn). Under load
 (compute-bound steps, where c grows with T) the same rule takes fewer drafts or none.
 
@@ -91,6 +92,28 @@ class SpeculationPolicy:
     def prior(self) -> float:
         return self.method_alpha.alpha(0.5)
 
+    def _best_length(self, c: Candidate, num_decodes: int, num_tokens: int, gain: float,
+                     extra: int, best: float | None, prior: float
+                     ) -> tuple[int, float, float | None]:
+        """How many of c's drafts to take (0: none), their expected accepted tokens, and the
+        step's rate with them (None: not measured). A verify step of the whole proposal not
+        measured yet is explored; while the plain step is not measured, nothing is taken."""
+        whole = len(c.drafts)
+        if self.costs.estimate(num_tokens + extra + whole, True) is None:
+            return whole, c.acceptance.expected(whole, prior), None
+        if best is None:
+            return 0, 0.0, None
+        chosen, chosen_e, chosen_rate = 0, 0.0, best
+        for d in range(1, whole + 1):
+            cost = self.costs.estimate(num_tokens + extra + d, True)
+            if cost is None:
+                continue
+            e = c.acceptance.expected(d, prior)
+            rate = (num_decodes + gain + e) / cost
+            if rate > chosen_rate:
+                chosen, chosen_e, chosen_rate = d, e, rate
+        return chosen, chosen_e, chosen_rate if chosen else None
+
     def choose(self, candidates: list[Candidate], num_decodes: int, num_tokens: int
                ) -> list[Candidate]:
         """The candidates whose drafts this step takes (see the module docstring); the step
@@ -105,23 +128,18 @@ class SpeculationPolicy:
         gain, extra = 0.0, 0
         best = None if plain is None else num_decodes / plain
         for c in ranked:
-            d = len(c.drafts)
-            e = c.acceptance.expected(d, prior)
-            cost = self.costs.estimate(num_tokens + extra + d, True)
-            if cost is None:   # a verify step of this size not measured yet: explore it
-                take = True
-            elif best is None:   # the plain step not measured yet: explore that first
-                take = False
-            else:
-                rate = (num_decodes + gain + e) / cost
-                take = rate > best
-                if take:
-                    best = rate
-            if take or c.acceptance.refused_steps >= self.probe_interval:
+            d, e, rate = self._best_length(c, num_decodes, num_tokens, gain, extra, best, prior)
+            if d == 0 and c.acceptance.refused_steps >= self.probe_interval:
+                d = len(c.drafts)   # a probe: the whole proposal, so its estimate follows
+                e = c.acceptance.expected(d, prior)
+            if d:
+                del c.drafts[d:]
                 taken.append(c)
                 gain += e
                 extra += d
                 c.acceptance.refused_steps = 0
+                if rate is not None:
+                    best = rate
             else:
                 c.acceptance.refused_steps += 1
         return taken
