@@ -71,6 +71,26 @@ def test_stories_seeded_sampling_matches_cpu(stories_dir) -> None:
 
 
 @pytest.mark.slow
+def test_speculation_on_triton_kernels_with_async_scheduling(stories_dir) -> None:
+    """Verify steps (decode rows) through the Triton decode attention and sampling kernels,
+    with async scheduling on (steps with drafts complete before the next is scheduled):
+    greedy and seeded tokens equal the CPU's without speculation."""
+    prompts = ["Tom had a red ball. Tom had a red ball. Tom had a red", "The little dog"]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)]
+    want = [o.token_ids for o in LLM(str(stories_dir), device="cpu", dtype="float32",
+                                     load_progress=False, max_num_seqs=4,
+                                     max_num_batched_tokens=64).generate(prompts, params)]
+    llm = LLM(str(stories_dir), device="triton-interpret", dtype="float32",
+              load_progress=False, max_num_seqs=4, max_num_batched_tokens=64,
+              async_scheduling=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.speculator.stats.accepted_tokens > 0
+
+
+@pytest.mark.slow
 def test_kernels_command_shows_triton_kernels_chosen(stories_dir, tmp_path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", TESSELLM_CACHE_DIR=str(tmp_path))
     proc = subprocess.run(

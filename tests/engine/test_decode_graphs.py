@@ -72,3 +72,21 @@ def test_profiling_pass_splits_the_largest_step_by_max_model_len():
     assert largest_step_lengths(2048, 512) == [512] * 4
     assert largest_step_lengths(100, 64) == [64, 36]
     assert largest_step_lengths(8, 256) == [8]
+
+
+def test_speculative_verify_steps_replay_captured_graphs(stories_dir):
+    """With speculation a verify entry is decode rows: 2 sequences x (1 + 3) rows make steps
+    of up to 8 rows, captured as decode graphs up front, and the tokens are the eager ones."""
+    prompts = ["Tom had a red ball. Tom had a red ball. Tom had a red", "The sun was"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(stories_dir), dtype="float32", load_progress=False,
+                                     max_num_seqs=2).generate(prompts, params)]
+    llm = LLM(str(stories_dir), plugins=_manager(), device="cpu-graphs", dtype="float32",
+              load_progress=False, max_num_seqs=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    assert llm.engine.runner.graph_sizes[-1] == 8
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.speculator.stats.accepted_tokens > 0
+    graphs = llm.engine.parts.device.graphs
+    assert sum(g.calls for size, g in graphs.items() if size > 2) > 1   # verify steps replayed

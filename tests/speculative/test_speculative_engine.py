@@ -250,3 +250,17 @@ def test_verify_steps_wider_than_the_decode_programs_run_eagerly(stories_dir):
     assert tokens(llm, prompts, params) == want
     assert llm.engine.speculator.stats.verify_steps > 0
     assert llm.engine.parts.selector.chosen() == chosen   # nothing chosen while serving
+
+
+def test_async_scheduling_speculates_and_keeps_the_tokens(stories_dir, plain):
+    """With async scheduling a step stays in flight only when the speculator does not want
+    its ids: requests still get drafts, and the tokens are the plain engine's."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = speculating(stories_dir, async_scheduling=True)
+    assert tokens(llm, PROMPTS, params) == tokens(plain, PROMPTS, params)
+    assert llm.engine.speculator.stats.accepted_tokens > 0
+    off = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                         num_speculative_tokens=0)
+    steps = llm.engine.stats.num_overlapped_steps
+    assert tokens(llm, PROMPTS, off) == tokens(plain, PROMPTS, off)
+    assert llm.engine.stats.num_overlapped_steps > steps   # nothing to draft: overlapped

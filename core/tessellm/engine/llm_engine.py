@@ -14,7 +14,9 @@ Speculation (`speculative_config`, tessellm.speculative): before each schedule t
 gives eligible decoding requests draft tokens; the step computes them as extra rows and samples
 at each, `_verify` accepts the drafts the draws agree with, and the scheduler appends them with
 the correction (rejected drafts' blocks freed). A step with drafts is never kept in flight, and
-a request with a token in flight gets no drafts (acceptance decides the next step's inputs).
+a request with a token in flight gets no drafts (acceptance decides the next step's inputs),
+so a step is kept in flight only when the speculator does not want its ids on the host
+(Speculator.wants_ids: no request it would draft for now).
 """
 from __future__ import annotations
 
@@ -300,11 +302,13 @@ class LLMEngine:
         self.scheduler.commit(out)
         return launched
 
-    @staticmethod
-    def _can_stay_in_flight(step: LaunchedStep) -> bool:
+    def _can_stay_in_flight(self, step: LaunchedStep) -> bool:
         """Whether the next step may be scheduled before this one's ids are on the host (not
-        when a row's next logits depend on its ids on the host: penalties, a constraint)."""
-        if step.out.forks or step.out.has_drafts:   # acceptance decides the next inputs
+        when a row's next logits depend on its ids on the host: penalties, a constraint; nor
+        when acceptance decides the next inputs, or the speculator would draft from them)."""
+        if step.out.forks or step.out.has_drafts:
+            return False
+        if self.speculator is not None and self.speculator.wants_ids(step.sampled):
             return False
         return not any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                        or r.params.frequency_penalty or r.constraint is not None

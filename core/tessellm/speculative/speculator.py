@@ -89,6 +89,25 @@ class Speculator:
         for c in taken:
             c.request.draft_token_ids = c.drafts
 
+    def wants_ids(self, sampled: Sequence[Request]) -> bool:
+        """Async scheduling: whether a step sampling `sampled` should complete before the next
+        is scheduled, so that its requests can get drafts (a request with a token in flight
+        gets none). True for any request that may speculate and whose proposals the policy
+        does not refuse now; a refused one counts the step as refused, so it is probed after
+        the policy's probe interval like one whose proposals were refused."""
+        want = False
+        for r in sampled:
+            if r.is_finished or r.constraint is not None or r.params.num_speculative_tokens == 0 \
+                    or r.params.max_tokens - len(r.output_token_ids) - r.num_pending < 2:
+                continue
+            acceptance = r.speculation.acceptance if r.speculation is not None else None
+            if acceptance is None or acceptance.refused_steps == 0 \
+                    or acceptance.refused_steps >= self.policy.probe_interval:
+                want = True
+            else:
+                acceptance.refused_steps += 1
+        return want
+
     def observe_verify(self, request: Request, drafted: int, accepted: int) -> None:
         """A verify step's outcome for one request (drafted >= 1 scheduled drafts)."""
         self.stats.verify_steps += 1
