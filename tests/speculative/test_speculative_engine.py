@@ -264,3 +264,15 @@ def test_async_scheduling_speculates_and_keeps_the_tokens(stories_dir, plain):
     steps = llm.engine.stats.num_overlapped_steps
     assert tokens(llm, PROMPTS, off) == tokens(plain, PROMPTS, off)
     assert llm.engine.stats.num_overlapped_steps > steps   # nothing to draft: overlapped
+
+
+def test_a_random_qwen3_gives_the_same_tokens(qwen3_random_dir):
+    """A random-weight Qwen3 of small shape (GQA, qk-norm) with the real Qwen3 tokenizer:
+    its repetitive greedy outputs are drafted and verified, tokens identical."""
+    prompts = ["The quick brown fox", "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+               "1, 2, 3, 4, 5, 6,"]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = tokens(LLM(str(qwen3_random_dir), **BASE), prompts, params)
+    llm = LLM(str(qwen3_random_dir), speculative_config=NGRAM, **BASE)
+    assert tokens(llm, prompts, params) == want
+    assert llm.engine.speculator.stats.accepted_tokens > 0
