@@ -12,12 +12,12 @@ of a captured graph or native program). A step of T tokens that decodes N reques
 N tokens in c_plain(T) without drafts; taking proposals of D tokens worth E in all yields
 N + E tokens in c_spec(T + D). Proposals are taken, best E(d) / d first, each cut to the
 length (1 .. its own) that gives the step the best tokens per second, while that improves on
-the step without it; a verify step of a size not measured yet is taken, and while the plain step's cost
-is unknown proposals whose cost is known are not (explore both, then learn). Under load
+the step without it; a verify step of a size not measured yet is taken, and while the plain
+step's cost is unknown proposals whose cost is known are not (explore both, then learn). Under load
 (compute-bound steps, where c grows with T) the same rule takes fewer drafts or none.
 
-A request whose proposals were refused `probe_interval` steps in a row is taken once anyway,
-so its estimate follows a text that becomes predictable again (the cost of a probe is bounded
+A request whose proposals were refused `probe_interval` steps in a row is taken once anyway
+(cut to the length whose measured cost pays best), so its estimate follows a text that becomes predictable again (the cost of a probe is bounded
 by one verify step in probe_interval).
 """
 from __future__ import annotations
@@ -96,14 +96,16 @@ class SpeculationPolicy:
                      extra: int, best: float | None, prior: float
                      ) -> tuple[int, float, float | None]:
         """How many of c's drafts to take (0: none), their expected accepted tokens, and the
-        step's rate with them (None: not measured). A verify step of the whole proposal not
-        measured yet is explored; while the plain step is not measured, nothing is taken."""
+        step's rate with them (None: not measured or a probe). A verify step of the whole
+        proposal not measured yet is explored; while the plain step is not measured, nothing is
+        taken; a request refused probe_interval steps in a row is probed at its best length."""
         whole = len(c.drafts)
         if self.costs.estimate(num_tokens + extra + whole, True) is None:
             return whole, c.acceptance.expected(whole, prior), None
         if best is None:
             return 0, 0.0, None
         chosen, chosen_e, chosen_rate = 0, 0.0, best
+        probe, probe_rate = whole, 0.0
         for d in range(1, whole + 1):
             cost = self.costs.estimate(num_tokens + extra + d, True)
             if cost is None:
@@ -112,6 +114,11 @@ class SpeculationPolicy:
             rate = (num_decodes + gain + e) / cost
             if rate > chosen_rate:
                 chosen, chosen_e, chosen_rate = d, e, rate
+            if rate > probe_rate:
+                probe, probe_rate = d, rate
+        if not chosen and c.acceptance.refused_steps >= self.probe_interval:
+            # a probe, so the estimate follows the text: at the length that would pay best
+            return probe, c.acceptance.expected(probe, prior), None
         return chosen, chosen_e, chosen_rate if chosen else None
 
     def choose(self, candidates: list[Candidate], num_decodes: int, num_tokens: int
@@ -129,9 +136,6 @@ class SpeculationPolicy:
         best = None if plain is None else num_decodes / plain
         for c in ranked:
             d, e, rate = self._best_length(c, num_decodes, num_tokens, gain, extra, best, prior)
-            if d == 0 and c.acceptance.refused_steps >= self.probe_interval:
-                d = len(c.drafts)   # a probe: the whole proposal, so its estimate follows
-                e = c.acceptance.expected(d, prior)
             if d:
                 del c.drafts[d:]
                 taken.append(c)
