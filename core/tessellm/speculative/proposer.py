@@ -61,8 +61,8 @@ class NgramProposer:
 
 
 def _draft_model(config: SpeculativeConfig, parts: Any) -> Proposer:
-    raise ConfigError("speculative method 'draft_model' is not built yet in this version of "
-                      "tessellm; use method 'ngram' (prompt lookup) or a plugin's proposer")
+    from tessellm.speculative.draft_model import DraftModelProposer   # builds an engine
+    return DraftModelProposer(config, parts)
 
 
 def builtin_proposers() -> dict[str, ProposerFactory]:
