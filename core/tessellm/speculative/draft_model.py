@@ -58,6 +58,7 @@ def check_same_vocab(target: Any, draft: Any, draft_name: str) -> None:
 
 class DraftModelProposer:
     method = "draft_model"
+    costly = True   # the speculator asks only for the proposals its policy takes
 
     def __init__(self, config: SpeculativeConfig, parts: Any) -> None:
         from tessellm.config import EngineConfig

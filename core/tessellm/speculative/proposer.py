@@ -21,6 +21,11 @@ from tessellm.speculative.ngram import NgramIndex
 
 
 class Proposer(Protocol):
+    """`costly` (optional, default False): proposing costs a real share of a step (a draft
+    model), so the speculator asks only for the requests its policy takes, at the lengths it
+    chose; a cheap proposer (prompt lookup) is asked for every eligible request first, and the
+    policy sees the actual proposals."""
+
     method: str
 
     def propose(self, requests: Sequence[Any], max_drafts: Sequence[int]) -> list[list[int]]:

@@ -8,6 +8,10 @@ policy (tessellm.speculative.policy) keeps those that pay; the kept ones are the
 step's token budget (tessellm.scheduling.batch_scheduler). Every other running request's
 drafts are cleared, so drafts never outlive the step they were proposed for.
 
+A costly proposer (one with `costly = True`: a draft model) is asked only for the requests
+the policy takes, at the lengths it chose (the policy decides on nominal proposals of length k
+first), so a step whose proposals would not pay does not pay for proposing either.
+
 After the step, `observe_verify` records how many drafts each request accepted and
 `observe_step` the step's duration (the policy's costs). A request's RequestSpeculation
 (proposer state and acceptance) is created on first proposal and released with the request.
@@ -77,17 +81,37 @@ class Speculator:
                 ks.append(k)
         if not requests:
             return
+        budget = min(num_tokens, max_num_batched_tokens)
+        if getattr(self.proposer, "costly", False):
+            self._decide_then_propose(requests, ks, num_decodes, budget)
+            return
         proposals = self.proposer.propose(requests, ks)
         candidates = []
         for r, k, drafts in zip(requests, ks, proposals):
             if drafts:
                 candidates.append(Candidate(r, list(drafts[:k]), r.speculation.acceptance))
         self.stats.proposals += len(candidates)
-        taken = self.policy.choose(candidates, num_decodes,
-                                   min(num_tokens, max_num_batched_tokens))
+        taken = self.policy.choose(candidates, num_decodes, budget)
         self.stats.refused_proposals += len(candidates) - len(taken)
         for c in taken:
             c.request.draft_token_ids = c.drafts
+
+    def _decide_then_propose(self, requests: list[Request], ks: list[int], num_decodes: int,
+                             budget: int) -> None:
+        """A costly proposer (a draft model): the policy decides on proposals of the full
+        length k first (their content does not change its choice), and only the requests it
+        takes are proposed for, at the lengths it chose; a step it refuses costs nothing."""
+        placeholders = [Candidate(r, [0] * k, r.speculation.acceptance)
+                        for r, k in zip(requests, ks)]
+        taken = self.policy.choose(placeholders, num_decodes, budget)
+        self.stats.refused_proposals += len(placeholders) - len(taken)
+        if not taken:
+            return
+        proposals = self.proposer.propose([c.request for c in taken],
+                                          [len(c.drafts) for c in taken])
+        for c, drafts in zip(taken, proposals):
+            c.request.draft_token_ids = list(drafts[:len(c.drafts)])
+        self.stats.proposals += len(placeholders)
 
     def wants_ids(self, sampled: Sequence[Request]) -> bool:
         """Async scheduling: whether a step sampling `sampled` should complete before the next
