@@ -6,9 +6,9 @@ when the target engine is. Each step, every eligible request's whole sequence (p
 output, its last sampled token included) is a draft request of max_tokens = k, greedy; the
 draft engine runs them to completion (one step for what its prefix cache does not hold, then
 k - 1 decode steps, all requests batched) and their outputs are the drafts. Its blocks are
-freed when a draft request finishes; the full blocks stay in its prefix cache, so the next
-step recomputes only the tokens since the last full block (and whatever the target did not
-accept). Greedy drafts are deterministic given the tokens, so verification stays exact.
+freed when a draft request finishes; the full blocks (of DRAFT_BLOCK_SIZE tokens) stay in its
+prefix cache, so the next step recomputes only the tokens since the last full block (and
+whatever the target did not accept). Greedy drafts are deterministic given the tokens, so verification stays exact.
 
 Vocabulary: the draft's tokenizer must map every token to the same id as the target's
 (checked at load: a ConfigError naming the first difference); drafts at ids the target's
@@ -28,6 +28,11 @@ from tessellm.errors import ConfigError, TessellmError
 from tessellm.speculative.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
+
+# the draft's KV block size: its prefix cache keeps full blocks, and a step recomputes the
+# tokens after the last one (as a prefill step): small blocks keep that tail short (SmolLM2
+# Q4_1, 3 drafts: 45 ms a step with blocks of 16, 36 ms with 4)
+DRAFT_BLOCK_SIZE = 4
 
 
 def token_vocab(tokenizer: Any) -> dict[str, int]:
@@ -70,7 +75,8 @@ class DraftModelProposer:
             model=config.model, quantization=config.quantization or "auto",
             device=parts.device.name, max_num_seqs=target.max_num_seqs,
             max_num_batched_tokens=target.max_num_batched_tokens,
-            num_kv_blocks=parts.num_kv_blocks, block_size=target.block_size,
+            num_kv_blocks=parts.num_kv_blocks * target.block_size // DRAFT_BLOCK_SIZE,
+            block_size=DRAFT_BLOCK_SIZE,
             enable_prefix_caching=True, kernel_selection=target.kernel_selection,
             cache_dir=target.cache_dir, num_threads=target.num_threads,
             packed_activations=target.packed_activations, load_progress=False)
