@@ -77,3 +77,17 @@ def test_smollm2_q4_drafting_for_smollm2_bf16():
     llm = LLM(model, speculative_config=draft_config(model, 3), **target)
     assert tokens(llm, prompts, params) == want
     assert llm.engine.speculator.stats.accepted_tokens > 0
+
+
+def test_a_request_the_draft_engine_cannot_take_decodes_without_drafts(stories_dir, plain):
+    """A draft whose embedding is narrower than the target's (as if its vocabulary were
+    padded differently): requests with ids it lacks are refused by the draft engine and get
+    no drafts; the step, and the target's tokens, are unaffected."""
+    from dataclasses import replace
+    llm = LLM(str(stories_dir), speculative_config=draft_config(str(stories_dir)), **BASE)
+    draft = llm.engine.speculator.proposer.engine
+    draft.limits = replace(draft.limits, vocab_size=2)   # every real token id is refused
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert tokens(llm, PROMPTS, params) == tokens(plain, PROMPTS, params)
+    assert llm.engine.speculator.stats.verify_steps == 0
+    assert not draft.has_unfinished()

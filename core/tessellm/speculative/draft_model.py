@@ -12,7 +12,8 @@ whatever the target did not accept). Greedy drafts are deterministic given the t
 
 Vocabulary: the draft's tokenizer must map every token to the same id as the target's
 (checked at load: a ConfigError naming the first difference); drafts at ids the target's
-embedding does not have are cut. A draft step that fails is logged and its requests decode
+embedding does not have are cut, and a request the draft engine cannot take (past its
+context or pool, ids its embedding lacks) gets no drafts. A draft step that fails is logged and its requests decode
 without drafts (the target's outputs do not depend on drafts).
 
 Layering: the draft is an engine, so this module imports tessellm.engine when it is built
@@ -24,7 +25,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tessellm.errors import ConfigError, TessellmError
+from tessellm.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.speculative.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
@@ -94,12 +95,12 @@ class DraftModelProposer:
         queued: list[Any] = []
         for request, k in zip(requests, max_drafts):
             tokens = request.token_ids_slice(0, request.num_known_tokens)
-            if len(tokens) + k >= engine.max_model_len:   # past the draft's context
+            try:   # past the draft's context or pool, ids its embedding lacks: no drafts
+                queued.append(engine.add_request(
+                    tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True),
+                    request_id=f"draft-{request.request_id}"))
+            except InvalidRequestError:
                 queued.append(None)
-                continue
-            queued.append(engine.add_request(
-                tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True),
-                request_id=f"draft-{request.request_id}"))
         try:
             while engine.has_unfinished():
                 engine.step()
