@@ -317,20 +317,11 @@ class PluginManager:
         """The plugins' GraphPasses in plugin order (see the module docstring for refusals)."""
         self.load()
         if self._graph_passes is None:
-            taken = {name: "tessellm" for name in builtin_pass_names()}
-            passes: list[GraphPass] = []
-            for record, result in self._hook_results("tessellm_graph_passes", (list, tuple)):
-                for p in result:
-                    if not isinstance(p, GraphPass):
-                        record.add_error(f"PluginError: graph pass {p!r} is not a GraphPass "
-                                         "(ignored)")
-                    elif p.name in taken:
-                        record.add_error(f"PluginError: graph pass {p.name!r} would override "
-                                         f"the one of {taken[p.name]!r} (refused)")
-                    else:
-                        taken[p.name] = record.name
-                        passes.append(p)
-            self._graph_passes = passes
+            self._graph_passes = [p for _, p in self._unique_named(
+                "tessellm_graph_passes", (list, tuple), "graph pass", builtin_pass_names(),
+                lambda result: ((getattr(p, "name", None), p) for p in result),
+                lambda name, p: None if isinstance(p, GraphPass)
+                else f"graph pass {p!r} is not a GraphPass")]
         return list(self._graph_passes)
 
     def tool_call_formats(self) -> list[Any]:
@@ -339,23 +330,15 @@ class PluginManager:
         from tessellm.tools.formats import BUILTIN_FORMATS
         self.load()
         if self._tool_formats is None:
-            taken = {f.name: "tessellm" for f in BUILTIN_FORMATS}
-            formats: list[Any] = []
-            for record, result in self._hook_results("tessellm_tool_call_formats",
-                                                     (list, tuple)):
-                for f in result:
-                    name = getattr(f, "name", None)
-                    missing = [m for m in TOOL_FORMAT_METHODS if not callable(getattr(f, m, None))]
-                    if not isinstance(name, str) or missing:
-                        record.add_error(f"PluginError: tool-call format {f!r} lacks "
-                                         f"{', '.join(missing) or 'a name'} (ignored)")
-                    elif name in taken:
-                        record.add_error(f"PluginError: tool-call format {name!r} would override "
-                                         f"the one of {taken[name]!r} (refused)")
-                    else:
-                        taken[name] = record.name
-                        formats.append(f)
-            self._tool_formats = formats
+            def invalid(name: Any, f: Any) -> str | None:
+                missing = [m for m in TOOL_FORMAT_METHODS if not callable(getattr(f, m, None))]
+                if isinstance(name, str) and not missing:
+                    return None
+                return f"tool-call format {f!r} lacks {', '.join(missing) or 'a name'}"
+            self._tool_formats = [f for _, f in self._unique_named(
+                "tessellm_tool_call_formats", (list, tuple), "tool-call format",
+                [f.name for f in BUILTIN_FORMATS],
+                lambda result: ((getattr(f, "name", None), f) for f in result), invalid)]
         return list(self._tool_formats)
 
     def speculative_proposers(self) -> dict[str, Any]:
@@ -365,21 +348,34 @@ class PluginManager:
         from tessellm.speculative.proposer import builtin_proposers
         self.load()
         if self._proposers is None:
-            taken = {name: "tessellm" for name in builtin_proposers()}
-            proposers: dict[str, Any] = {}
-            for record, result in self._hook_results("tessellm_speculative_proposers", dict):
-                for name, factory in result.items():
-                    if not isinstance(name, str) or not name or not callable(factory):
-                        record.add_error(f"PluginError: speculative proposer {name!r}: "
-                                         f"{factory!r} is not a callable factory (ignored)")
-                    elif name in taken:
-                        record.add_error(f"PluginError: speculative proposer {name!r} would "
-                                         f"override the one of {taken[name]!r} (refused)")
-                    else:
-                        taken[name] = record.name
-                        proposers[name] = factory
-            self._proposers = proposers
+            self._proposers = dict(self._unique_named(
+                "tessellm_speculative_proposers", dict, "speculative proposer",
+                builtin_proposers(), lambda result: result.items(),
+                lambda name, factory: None if isinstance(name, str) and name
+                and callable(factory) else f"speculative proposer {name!r}: {factory!r} is "
+                "not a callable factory"))
         return dict(self._proposers)
+
+    def _unique_named(self, hook_name: str, kind: type | tuple[type, ...], what: str,
+                      builtin: Any, entries: Any, invalid: Any) -> list[tuple[Any, Any]]:
+        """(name, value) of every plugin's `hook_name` results, in plugin order:
+        `entries(result)` yields them; `invalid(name, value)` says why one is ignored (None: it is
+        fine); a name of a built-in (`builtin`) or of an earlier plugin's is refused. Each
+        refusal is an error on the plugin's record."""
+        taken = dict.fromkeys(builtin, "tessellm")
+        values: list[tuple[Any, Any]] = []
+        for record, result in self._hook_results(hook_name, kind):
+            for name, value in entries(result):
+                why = invalid(name, value)
+                if why is not None:
+                    record.add_error(f"PluginError: {why} (ignored)")
+                elif name in taken:
+                    record.add_error(f"PluginError: {what} {name!r} would override the one of "
+                                     f"{taken[name]!r} (refused)")
+                else:
+                    taken[name] = record.name
+                    values.append((name, value))
+        return values
 
     def _hook_results(self, hook_name: str, kind: type | tuple[type, ...]) -> list[tuple[PluginRecord, Any]]:
         out = []

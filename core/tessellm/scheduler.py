@@ -69,6 +69,7 @@ from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.errors import InvalidRequestError
 from tessellm.request import FinishReason, Request, RequestStatus
+from tessellm.scheduling.appending import append_token, append_verified
 from tessellm.scheduling.batch_scheduler import BatchScheduler
 from tessellm.scheduling.config import SchedulerConfig
 from tessellm.scheduling.forks import ForkGroups
@@ -230,6 +231,7 @@ class Scheduler:
                   accepted: dict[str, Sequence[int]] | None = None) -> list[Request]:
         finished: list[Request] = []
         max_model_len = self.config.max_model_len
+        accepted = accepted or {}
         waiting_finished = False
         for s in output.scheduled:
             request = s.request
@@ -238,7 +240,8 @@ class Scheduler:
             running = request.status is RequestStatus.RUNNING
             rid = request.request_id
             if s.draft_token_ids and rid in sampled:
-                self._append_verified(s, (accepted or {}).get(rid, ()), sampled[rid], running)
+                append_verified(self.kv, s, accepted.get(rid, ()), sampled[rid], running,
+                                max_model_len)
             else:
                 if running:   # one preempted since (async scheduling) has no blocks to cache
                     self.kv.cache_full_blocks(request, s.start + s.num_tokens)
@@ -246,7 +249,7 @@ class Scheduler:
                     continue
                 if rid in output.forks:
                     finished += self._fork_children(request, sampled)
-                self._append(request, sampled[rid])
+                append_token(request, sampled[rid], max_model_len)
             if request.is_finished:
                 self._forget(request)
                 finished.append(request)
@@ -256,31 +259,6 @@ class Scheduler:
         if finished:
             self._drop_finished_running()
         return finished
-
-    def _append(self, request: Request, token_id: int) -> None:
-        request.append_output(token_id)
-        if not request.is_finished and request.num_known_tokens >= self.config.max_model_len:
-            request.finish(FinishReason.LENGTH)
-
-    def _append_verified(self, s: ScheduledRequest, accepted: Sequence[int], token_id: int,
-                         running: bool) -> None:
-        """A verify step's outcome: the accepted drafts, then the sampled token (stopping
-        where the request finishes); the accepted drafts' KV is computed; blocks past the
-        request's tokens hold only rejected drafts and are freed."""
-        request = s.request
-        for draft in accepted:
-            self._append(request, draft)
-            if request.is_finished:
-                break
-        request.num_computed_tokens = min(s.start + s.num_real_tokens + len(accepted),
-                                          request.num_tokens)
-        if running:
-            self.kv.cache_full_blocks(request, min(request.num_computed_tokens,
-                                                   request.num_known_tokens))
-        if not request.is_finished:
-            self._append(request, token_id)
-        if running and not request.is_finished:
-            self.kv.trim(request, request.num_tokens)
 
     def observe_step(self, duration_s: float, num_decode_tokens: int) -> None:
         """Timing of one engine step, for the SLA policy (a no-op when it is off)."""
@@ -425,9 +403,7 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             ticket = self._requests.adopt(child, level)
             bisect.insort(self._batch.running, ticket, key=lambda t: (t.level, t.arrival))
-            child.append_output(sampled[child.request_id])
-            if not child.is_finished and child.num_tokens >= self.config.max_model_len:
-                child.finish(FinishReason.LENGTH)
+            append_token(child, sampled[child.request_id], self.config.max_model_len)
             if child.is_finished:
                 self._forget(child)
                 finished.append(child)

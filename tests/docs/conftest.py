@@ -30,3 +30,23 @@ def on_sys_path():
         origin = getattr(module, "__file__", None) or ""
         if any(origin.startswith(p) for p in added):
             del sys.modules[name]
+
+
+@pytest.fixture()
+def tutorial_plugins(on_sys_path):
+    """A loaded PluginManager of the cpu plugin and one tutorial plugin of docs/examples:
+    tutorial_plugins(example directory, entry-point name, its module)."""
+    import importlib.metadata
+
+    from docs_paths import EXAMPLES
+    from tessellm.plugin_spec import ENTRY_POINT_GROUP
+    from tessellm.plugins import PluginManager
+
+    def load(example: str, name: str, module: str) -> PluginManager:
+        on_sys_path(EXAMPLES / example / "src")
+        cpu = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+               if ep.name == "cpu"]
+        tutorial = importlib.metadata.EntryPoint(name=name, value=module,
+                                                 group=ENTRY_POINT_GROUP)
+        return PluginManager(cpu + [tutorial]).load()
+    return load

@@ -5,34 +5,25 @@ to the reference tokens."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 
 import pytest
 import torch
 
-from docs_paths import EXAMPLES
 from tessellm import LLM, SamplingParams
 from tessellm.cli.kernels_table import plan_queries
 from tessellm.config import EngineConfig
 from tessellm.engine.builder import build_engine_parts
 from tessellm.kernels.profiler import KernelSelector
 from tessellm.kernels.registry import KernelQuery
-from tessellm.plugin_spec import ENTRY_POINT_GROUP
 from tessellm.plugins import PluginManager
 
 NAME = "rms_norm_functional"
 
 
 @pytest.fixture()
-def manager(on_sys_path) -> PluginManager:
-    on_sys_path(EXAMPLES / "faster_kernel" / "src")
-    cpu = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-           if ep.name == "cpu"]
-    tutorial = importlib.metadata.EntryPoint(name="fast_rms_norm",
-                                             value="tessellm_fast_rms_norm.plugin",
-                                             group=ENTRY_POINT_GROUP)
-    return PluginManager(cpu + [tutorial]).load()
+def manager(tutorial_plugins) -> PluginManager:
+    return tutorial_plugins("faster_kernel", "fast_rms_norm", "tessellm_fast_rms_norm.plugin")
 
 
 def test_it_is_offered_beside_the_devices_own_kernels(manager) -> None:

@@ -3,31 +3,22 @@
 earlier request are accepted, and the tokens are the plain engine's."""
 from __future__ import annotations
 
-import importlib.metadata
-
 import pytest
 
-from docs_paths import EXAMPLES
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ConfigError
-from tessellm.plugin_spec import ENTRY_POINT_GROUP
 from tessellm.plugins import PluginManager
 
 PROMPT = "Lily had a red ball. She liked to play with it every day. One day"
 
 
-def _manager(on_sys_path) -> PluginManager:
-    on_sys_path(EXAMPLES / "speculative_proposer" / "src")
-    cpu = [e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-           if e.name == "cpu"]
-    tutorial = importlib.metadata.EntryPoint(name="history_proposer",
-                                             value="tessellm_history_proposer.plugin",
-                                             group=ENTRY_POINT_GROUP)
-    return PluginManager(cpu + [tutorial]).load()
+@pytest.fixture()
+def manager(tutorial_plugins) -> PluginManager:
+    return tutorial_plugins("speculative_proposer", "history_proposer",
+                            "tessellm_history_proposer.plugin")
 
 
-def test_the_tutorial_proposer_drafts_from_earlier_requests(on_sys_path, stories_dir):
-    manager = _manager(on_sys_path)
+def test_the_tutorial_proposer_drafts_from_earlier_requests(manager, stories_dir):
     assert list(manager.speculative_proposers()) == ["history"]
     record = next(r for r in manager.records if r.name == "history_proposer")
     assert record.status == "loaded" and record.error is None
@@ -44,7 +35,7 @@ def test_the_tutorial_proposer_drafts_from_earlier_requests(on_sys_path, stories
     assert stats.accepted_tokens > 20 and stats.acceptance_rate > 0.8
 
 
-def test_an_unknown_method_names_the_plugins_ones(on_sys_path, stories_dir):
+def test_an_unknown_method_names_the_plugins_ones(manager, stories_dir):
     with pytest.raises(ConfigError, match=r"unknown speculative method 'suffix'.*history"):
-        LLM(str(stories_dir), plugins=_manager(on_sys_path), load_progress=False,
+        LLM(str(stories_dir), plugins=manager, load_progress=False,
             speculative_config={"method": "suffix", "num_speculative_tokens": 2})

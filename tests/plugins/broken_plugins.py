@@ -167,3 +167,20 @@ takes_hermes = _plugin("1.5", tessellm_tool_call_formats=_returning([
     SimpleNamespace(name="hermes", stream=print, parse_calls=print, matches_template=print,
                     grammar=print)]))
 not_a_format = _plugin("1.5", tessellm_tool_call_formats=_returning([SimpleNamespace(name="half")]))
+
+
+# speculative proposers: one named like a built-in (refused), one not callable (ignored), and
+# a name an earlier plugin took (refused)
+def _proposer_factory(config, parts):
+    return SimpleNamespace(method="mine", propose=lambda requests, ks: [[] for _ in requests],
+                           release=lambda request: None)
+
+
+def _other_factory(config, parts):
+    return _proposer_factory(config, parts)
+
+
+proposers_a = _plugin("1.8", tessellm_speculative_proposers=_returning({
+    "ngram": _proposer_factory, "mine": _proposer_factory, "broken": "not a factory"}))
+proposers_b = _plugin("1.8", tessellm_speculative_proposers=_returning({
+    "mine": _other_factory, "other": _other_factory}))

@@ -262,3 +262,15 @@ def test_report_is_json_and_shows_every_plugin() -> None:
     assert by_name["ghost"]["status"] == "error"
     assert by_name["flaky_probe"]["devices"][0]["available"] is False
     assert set(rows[0]) == {"plugin", "value", "version", "status", "error", "devices"}
+
+
+def test_speculative_proposers_first_wins_and_built_in_names_are_refused() -> None:
+    from broken_plugins import _other_factory, _proposer_factory
+    pm = PluginManager(fake("proposers_a", "proposers_b")).load()
+    assert pm.speculative_proposers() == {"mine": _proposer_factory, "other": _other_factory}
+    err_a, err_b = record(pm, "proposers_a").error, record(pm, "proposers_b").error
+    assert "speculative proposer 'ngram' would override the one of 'tessellm' (refused)" in err_a
+    assert "speculative proposer 'broken': 'not a factory' is not a callable factory " \
+        "(ignored)" in err_a
+    assert "speculative proposer 'mine' would override the one of 'proposers_a' (refused)" \
+        in err_b

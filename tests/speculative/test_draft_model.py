@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tessellm import LLM, SamplingParams
-from tessellm.errors import ConfigError
+from tessellm.errors import ConfigError, ModelLoadError
 from tessellm.models.source import default_model_file
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily. She",
@@ -60,7 +60,7 @@ def test_a_draft_with_another_vocabulary_is_refused(stories_dir, qwen3_random_di
 
 
 def test_a_missing_draft_model_is_a_clear_error(stories_dir, tmp_path):
-    with pytest.raises(Exception, match="no-such-draft"):
+    with pytest.raises(ModelLoadError, match="no-such-draft.*is not a directory"):
         LLM(str(stories_dir), speculative_config=draft_config(str(tmp_path / "no-such-draft")),
             **BASE)
 

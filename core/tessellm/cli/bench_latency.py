@@ -15,6 +15,7 @@ and the process's resident memory after load.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -72,10 +73,8 @@ def speculation_report(llm: Any) -> dict[str, Any] | None:
     if spec is None:
         return None
     st = spec.stats
-    return {"method": st.method, "num_speculative_tokens": spec.config.num_speculative_tokens,
-            "proposals": st.proposals, "refused_proposals": st.refused_proposals,
-            "verify_steps": st.verify_steps, "draft_tokens": st.draft_tokens,
-            "accepted_tokens": st.accepted_tokens,
+    return {**dataclasses.asdict(st),
+            "num_speculative_tokens": spec.config.num_speculative_tokens,
             "acceptance_rate": round(st.acceptance_rate, 3),
             "mean_accepted_length": round(st.mean_accepted_length, 3)}
 

@@ -61,12 +61,7 @@ def core_stats(engine: LLMEngine) -> CoreStats:
 
 def spec_fields(engine: LLMEngine) -> dict:
     """CoreStats' speculation counters (none when the engine does not speculate)."""
-    if engine.speculator is None:
-        return {}
-    st = engine.speculator.stats
-    return dict(spec_method=st.method, spec_proposals=st.proposals,
-                spec_refused_proposals=st.refused_proposals, spec_verify_steps=st.verify_steps,
-                spec_draft_tokens=st.draft_tokens, spec_accepted_tokens=st.accepted_tokens)
+    return {} if engine.speculator is None else engine.speculator.stats.to_wire()
 
 
 def device_plugin_of(device: object) -> tuple[str, str]:

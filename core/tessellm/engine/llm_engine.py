@@ -12,7 +12,7 @@ Requests finished by EOS at step N were already scheduled into N+1; that token i
 
 Speculation (`speculative_config`, tessellm.speculative): before each schedule the Speculator
 gives eligible decoding requests draft tokens; the step computes them as extra rows and samples
-at each, `_verify` accepts the drafts the draws agree with, and the scheduler appends them with
+at each, `Speculator.verify` accepts the drafts the draws agree with, and the scheduler appends them with
 the correction (rejected drafts' blocks freed). A step with drafts is never kept in flight, and
 a request with a token in flight gets no drafts (acceptance decides the next step's inputs),
 so a step is kept in flight only when the speculator does not want its ids on the host
@@ -42,7 +42,6 @@ from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
 from tessellm.speculative.proposer import make_proposer
 from tessellm.speculative.speculator import Speculator
-from tessellm.speculative.verification import num_accepted
 
 
 class StepError(TessellmError, RuntimeError):
@@ -344,14 +343,13 @@ class LLMEngine:
                 s.request.prompt_logprobs += lps
         sampled: dict[str, int] = {}
         accepted: dict[str, tuple[int, ...]] = {}
-        verified = self._verify(step, token_ids, accepted) if step.out.has_drafts else None
-        # rows of a verify entry past its accepted drafts and correction generate nothing
-        self.stats.num_generated_tokens += len(token_ids) - (
-            0 if verified is None else len(verified) - sum(map(len, accepted.values())))
+        skip: set[int] = set()   # verify rows whose tokens are accepted drafts or rejected
+        if step.out.has_drafts:
+            accepted, skip, rejected = self.speculator.verify(step, token_ids)
+            self.stats.num_generated_tokens -= rejected
+        self.stats.num_generated_tokens += len(token_ids)
         for i, (request, token, lp) in enumerate(zip(step.sampled, token_ids, step.logprobs)):
-            if request.is_finished:   # finished (aborted, EOS) since it was launched
-                continue
-            if verified is not None and i in verified:   # a verify row past the kept ones
+            if request.is_finished or i in skip:   # finished (aborted, EOS) since launched
                 continue
             sampled[request.request_id] = token
             if lp is not None:
@@ -371,34 +369,6 @@ class LLMEngine:
                                          step.out.has_drafts)
         self._last_completed = t2
         return self._release(finished)
-
-    def _verify(self, step: LaunchedStep, token_ids: list[int],
-                accepted: dict[str, tuple[int, ...]]) -> set[int]:
-        """Accept each verify entry's drafts against its draws (tessellm.speculative.
-        verification); fills `accepted` and returns the sampled rows to skip: for a request
-        with a accepted drafts, its rows after offset a (its row at offset a carries the
-        token that follows them; the logprobs of rows 0..a-1 go with the drafts)."""
-        skip: set[int] = set()
-        starts: dict[str, int] = {}
-        for i, j in enumerate(step.sample_offsets):
-            if j == 0:
-                starts[step.sampled[i].request_id] = i
-        for s in step.out.scheduled:
-            drafts = s.draft_token_ids
-            if not drafts or s.request.is_finished:
-                continue
-            first = starts[s.request.request_id]
-            draws = token_ids[first:first + len(drafts) + 1]
-            a = num_accepted(drafts, draws)
-            accepted[s.request.request_id] = drafts[:a]
-            self.speculator.observe_verify(s.request, len(drafts), a)
-            request = s.request
-            for i in range(first, first + a):   # the accepted drafts' logprobs, in order
-                if step.logprobs[i] is not None:
-                    request.output_logprobs.append(step.logprobs[i])
-            skip.update(range(first, first + a))
-            skip.update(range(first + a + 1, first + len(drafts) + 1))
-        return skip
 
     def _block_ops_only(self, out: SchedulerOutput) -> None:
         """A step that scheduled no tokens may still have block work (its preemptions'

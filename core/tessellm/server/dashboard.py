@@ -10,6 +10,7 @@ headers: a page elsewhere cannot read it).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from itertools import groupby
 from typing import Any
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from tessellm.server.requests import STATE_KEY
 from tessellm.server.state import ServerState
+from tessellm.speculative.stats import SpecStats
 
 DASHBOARD_PATH = "/api/dashboard"
 
@@ -48,15 +50,12 @@ def kernel_table(choices: dict[str, str]) -> list[dict[str, Any]]:
 
 def speculative_section(s: Any) -> dict[str, Any] | None:
     """Speculative decoding's counters (None when the engine does not speculate)."""
-    if not s.spec_method:
+    st = SpecStats.from_wire(s)
+    if st is None:
         return None
-    return {"method": s.spec_method, "proposals": s.spec_proposals,
-            "refused_proposals": s.spec_refused_proposals, "verify_steps": s.spec_verify_steps,
-            "draft_tokens": s.spec_draft_tokens, "accepted_tokens": s.spec_accepted_tokens,
-            "acceptance_rate": (s.spec_accepted_tokens / s.spec_draft_tokens
-                                if s.spec_draft_tokens else None),
-            "mean_accepted_length": (1 + s.spec_accepted_tokens / s.spec_verify_steps
-                                     if s.spec_verify_steps else None)}
+    return {**dataclasses.asdict(st),
+            "acceptance_rate": st.acceptance_rate if st.draft_tokens else None,
+            "mean_accepted_length": st.mean_accepted_length if st.verify_steps else None}
 
 
 def snapshot(state: ServerState) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from tessellm.engine.async_engine import AsyncEngine
 from tessellm.server.latency_window import RecentLatencies
+from tessellm.speculative.stats import SpecStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -99,33 +100,29 @@ class EngineCollector(Collector):
 def spec_metrics(s) -> Iterator[Metric]:
     """Speculative decoding, per method (vLLM's spec_decode_* counters, plus the acceptance
     rate and mean accepted length they imply); nothing when the engine does not speculate."""
-    if not s.spec_method:
+    st = SpecStats.from_wire(s)
+    if st is None:
         return
-    method = [s.spec_method]
+    method = [st.method]
     for name, doc, value in (
             ("spec_decode_num_proposals", "Proposals the proposer made (a request's drafts "
-             "for a step)", s.spec_proposals),
+             "for a step)", st.proposals),
             ("spec_decode_num_refused_proposals", "Proposals left out because they would not "
-             "pay (measured acceptance and step cost) or did not fit", s.spec_refused_proposals),
-            ("spec_decode_num_drafts", "Request-steps verified with drafts",
-             s.spec_verify_steps),
-            ("spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_draft_tokens),
-            ("spec_decode_num_accepted_tokens", "Draft tokens accepted",
-             s.spec_accepted_tokens)):
+             "pay (measured acceptance and step cost) or did not fit", st.refused_proposals),
+            ("spec_decode_num_drafts", "Request-steps verified with drafts", st.verify_steps),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified", st.draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted", st.accepted_tokens)):
         counter = CounterMetricFamily(f"tessellm:{name}", doc, labels=["method"])
         counter.add_metric(method, value)
         yield counter
-    rate = GaugeMetricFamily("tessellm:spec_decode_acceptance_rate", "Accepted / verified "
-                             "draft tokens since start", labels=["method"])
-    rate.add_metric(method, s.spec_accepted_tokens / s.spec_draft_tokens
-                    if s.spec_draft_tokens else 0.0)
-    yield rate
-    length = GaugeMetricFamily("tessellm:spec_decode_mean_accepted_length", "Tokens a verify "
-                               "step gives a request on average (accepted drafts + 1)",
-                               labels=["method"])
-    length.add_metric(method, 1 + s.spec_accepted_tokens / s.spec_verify_steps
-                      if s.spec_verify_steps else 0.0)
-    yield length
+    for name, doc, value in (
+            ("spec_decode_acceptance_rate", "Accepted / verified draft tokens since start",
+             st.acceptance_rate),
+            ("spec_decode_mean_accepted_length", "Tokens a verify step gives a request on "
+             "average (accepted drafts + 1)", st.mean_accepted_length)):
+        gauge = GaugeMetricFamily(f"tessellm:{name}", doc, labels=["method"])
+        gauge.add_metric(method, value)
+        yield gauge
 
 
 class ServerMetrics:

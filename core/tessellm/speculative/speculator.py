@@ -12,7 +12,8 @@ A costly proposer (one with `costly = True`: a draft model) is asked only for th
 the policy takes, at the lengths it chose (the policy decides on nominal proposals of length k
 first), so a step whose proposals would not pay does not pay for proposing either.
 
-After the step, `observe_verify` records how many drafts each request accepted and
+After the step, `verify` accepts each request's drafts against the step's draws (recording
+how many it accepted, `observe_verify`), and
 `observe_step` the step's duration (the policy's costs). A request's RequestSpeculation
 (proposer state and acceptance) is created on first proposal and released with the request.
 """
@@ -27,6 +28,7 @@ from tessellm.speculative.config import SpeculativeConfig
 from tessellm.speculative.policy import Acceptance, Candidate, SpeculationPolicy
 from tessellm.speculative.proposer import Proposer
 from tessellm.speculative.stats import SpecStats
+from tessellm.speculative.verification import num_accepted
 
 
 @dataclass(slots=True)
@@ -131,6 +133,33 @@ class Speculator:
             else:
                 acceptance.refused_steps += 1
         return want
+
+    def verify(self, step: Any, token_ids: Sequence[int]
+               ) -> tuple[dict[str, tuple[int, ...]], set[int], int]:
+        """A launched step's verify entries against its draws (tessellm.speculative.
+        verification): (accepted drafts per request, the sampled rows whose tokens are not
+        the step's own for their request, rejected rows). A request with a accepted drafts
+        keeps its row at offset a (the token after them); the logprobs of rows 0..a-1 go to
+        its output logprobs now, with the drafts, rows after a are rejected."""
+        accepted: dict[str, tuple[int, ...]] = {}
+        skip: set[int] = set()
+        rejected = 0
+        first_row = {step.sampled[i].request_id: i
+                     for i, j in enumerate(step.sample_offsets) if j == 0}
+        for s in step.out.scheduled:
+            drafts, request = s.draft_token_ids, s.request
+            if not drafts or request.is_finished:
+                continue
+            first = first_row[request.request_id]
+            a = num_accepted(drafts, token_ids[first:first + len(drafts) + 1])
+            accepted[request.request_id] = drafts[:a]
+            self.observe_verify(request, len(drafts), a)
+            request.output_logprobs += [lp for lp in step.logprobs[first:first + a]
+                                        if lp is not None]
+            skip.update(range(first, first + a))
+            skip.update(range(first + a + 1, first + len(drafts) + 1))
+            rejected += len(drafts) - a
+        return accepted, skip, rejected
 
     def observe_verify(self, request: Request, drafted: int, accepted: int) -> None:
         """A verify step's outcome for one request (drafted >= 1 scheduled drafts)."""

@@ -1,7 +1,11 @@
-"""Counters of speculation, per method (the engine's /metrics and dashboard read them)."""
+"""Counters of speculation, per method (the engine's /metrics and dashboard read them).
+
+On the wire (engine_core.CoreStats) they are the same fields prefixed `spec_`
+(`to_wire` / `from_wire`); the rates are derived here only."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -25,3 +29,14 @@ class SpecStats:
     def mean_accepted_length(self) -> float:
         """Tokens a verify step gives a request on average: accepted drafts + 1."""
         return 1.0 + self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        """The counters as CoreStats fields (`spec_` + name)."""
+        return {f"spec_{k}": v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_wire(cls, stats: Any) -> SpecStats | None:
+        """The counters of a CoreStats; None when its engine does not speculate."""
+        if not stats.spec_method:
+            return None
+        return cls(**{f.name: getattr(stats, f"spec_{f.name}") for f in fields(cls)})
