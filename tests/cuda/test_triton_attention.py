@@ -167,3 +167,37 @@ def test_supports():
     assert not supports(query(512))
     assert not supports(query(64, nh=6, nkv=4))
     assert not supports(query(64, dtype=torch.float64))
+
+
+# ------------------------------------------------------- sliding window and logit soft-cap
+
+# (query_lens, seq_lens, decode?, block_size, heads, kv heads, head_dim, dtype, window, cap,
+# num_splits): windows shorter than the context (inside a block, across blocks, shorter than
+# a prefill chunk), soft-caps small enough to bite, both at once, decode splits
+WINDOW_SOFTCAP_CASES = [
+    ([1, 1, 1], [33, 5, 70], True, 16, 8, 2, 64, F32, 7, 0.0, 1),
+    ([1, 1], [70, 9], True, 16, 4, 4, 32, F32, 20, 0.0, 4),
+    ([1, 1, 1], [33, 5, 70], True, 8, 8, 2, 64, F32, 0, 2.0, 1),
+    ([1, 1], [70, 40], True, 16, 4, 2, 32, BF16, 11, 3.0, 2),
+    ([9, 3, 40], [9, 30, 40], False, 16, 4, 2, 32, F32, 5, 0.0, None),
+    ([20, 6], [20, 50], False, 8, 4, 4, 64, F32, 0, 2.5, None),
+    ([33, 4], [33, 21], False, 16, 8, 2, 32, BF16, 13, 4.0, None),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_SOFTCAP_CASES,
+                         ids=[f"{'dec' if c[2] else 'pre'}-w{c[8]}-cap{c[9]}-{str(c[7])[6:]}"
+                              for c in WINDOW_SOFTCAP_CASES])
+def test_window_and_softcap_match_reference(case) -> None:
+    qlens, slens, decode, bs, nh, nkv, hd, dt, window, cap, splits = case
+    q, cache, meta, scale = _inputs(qlens, slens, len(qlens) if decode else 0, bs, nh, nkv, hd,
+                                    dt, extra_blocks=1, seed=11)
+    if decode:
+        out = _paged_attention_decode(q, cache, meta, scale, splits, window, cap)
+    else:
+        out = paged_attention_prefill(q, cache, meta, scale, window, cap)
+    ref = paged_attention(q, cache, meta, scale, window, cap)
+    plain = paged_attention(q, cache, meta, scale)
+    assert (ref.float() - plain.float()).abs().max() > 1e-2   # the feature changes the output
+    rtol, atol = TOLERANCES[dt]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)

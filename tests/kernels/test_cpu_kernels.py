@@ -38,16 +38,34 @@ DIMS: dict[str, list[dict[str, int]]] = {
     "silu_and_mul": [{"features": 96}], "gelu_tanh": [{"features": 96}],
     "rotary_embedding": [ATTN],
     "write_kv_cache": [{"num_kv_heads": 2, "head_dim": 16}],
-    "attention_decode": [ATTN], "attention_prefill": [ATTN],
+    "mul_scalar": [{"features": 96}], "logit_softcap": [{"features": 96}],
+    # a sliding window (the examples cap it at 40 keys, inside their contexts), a soft-cap of
+    # 2.5 (in thousandths), both
+    "attention_decode": [ATTN, {**ATTN, "sliding_window": 4096}, {**ATTN, "logit_softcap": 2500},
+                         {**ATTN, "sliding_window": 20, "logit_softcap": 2500}],
+    "attention_prefill": [ATTN, {**ATTN, "sliding_window": 4096},
+                          {**ATTN, "logit_softcap": 2500},
+                          {**ATTN, "sliding_window": 20, "logit_softcap": 2500}],
     "greedy_tokens": [{"vocab": 1000}, {"vocab": 5003}],
     "apply_token_bitmask": [{"vocab": 1000}, {"vocab": 5003}, {"vocab": 64}],
+    "moe_router": [{"experts": 8, "top_k": 2, "renormalize": r, "sigmoid": s}
+                   for r in (0, 1) for s in (0, 1)],
+    "fused_moe": [{"hidden": 64, "features": 32, "experts": 4, "top_k": 2}],
+    "fused_moe_packed": [{"hidden": 64, "features": 32, "experts": 4, "top_k": 2, "qtype": q,
+                          "qtype_down": q} for q in (2, 3, 8)],
+    "sigmoid_gate": [{"hidden": 64}],
 }
 TOKENS = [1, 3, 17, 130]
 # kernels offered only for some calls: what each claims (checked both ways below)
 NARROW = {"linear_amx_native": lambda dtype, d, tokens: dtype is torch.bfloat16
           and d["in_features"] % 32 == 0 and d["out_features"] % 32 == 0,
           "linear_q8act_amx": lambda dtype, d, tokens: tokens >= 16,   # tiles of 16 rows
-          "linear_packed_amx": lambda dtype, d, tokens: tokens >= 16}
+          "linear_packed_amx": lambda dtype, d, tokens: tokens >= 16,
+          "linear_f32_native": lambda dtype, d, tokens: dtype is torch.float32 and tokens <= 16,
+          # SDPA cannot soft-cap its scores
+          **{name: lambda dtype, d, tokens: "logit_softcap" not in d
+             for name in ("decode_batched_sdpa", "decode_per_seq_sdpa", "prefill_per_seq_sdpa",
+                          "prefill_batched_sdpa")}}
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
        torch.bfloat16: {"rtol": 1.6e-2, "atol": 5e-2}}
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -78,6 +96,8 @@ def _cases() -> list[Any]:
         for dims in DIMS[k.op]:
             suffix = f"-bias{dims['bias']}" if k.op.startswith("linear") else ""
             suffix += f"-q{dims['qtype']}" if "qtype" in dims else ""
+            suffix += f"-w{dims['sliding_window']}" if "sliding_window" in dims else ""
+            suffix += f"-cap{dims['logit_softcap']}" if "logit_softcap" in dims else ""
             cases.append(pytest.param(k, tuple(sorted(dims.items())), id=f"{k.name}{suffix}"))
     return cases
 

@@ -1,13 +1,22 @@
 """GGUF files written from Hugging Face models, as llama.cpp's convert_hf_to_gguf.py writes them.
 
 `write_gguf` converts a transformers model (random weights from hf_fixtures, or any HF model
-directory) of the llama, qwen2, qwen3 or gpt2 family into a GGUF file:
+directory) of the llama, qwen2, qwen3, gpt2, phi3, MoE or gemma2 / gemma3 family into a GGUF
+file:
 - tensor names: token_embd, blk.N.attn_q/k/v/output (+ .bias where HF has one),
   attn_q_norm/attn_k_norm (qwen3), attn_norm, ffn_norm, ffn_gate/up/down, output_norm, output
   (left out when the head is tied, as the converter does); gpt2: position_embd, the fused
   attn_qkv [3 * hidden, hidden], attn_output, ffn_up, ffn_down (HF Conv1D weights are
   [in, out] and get transposed), norms with biases, and `output` (the converter writes the tied
   head out as its own tensor);
+- phi3 (Phi3MiniModel): the fused attn_qkv and ffn_up ([gate | up] rows) as HF stores them,
+  `rope.scaling.original_context_length`, `attention.sliding_window` (0 for none) and, for
+  longrope, `rope.scaling.attn_factor` with the F32 tensors rope_factors_long / _short; no
+  key_length / value_length / vocab_size (the converter writes none for phi3);
+- gemma2 / gemma3 (Gemma2Model / Gemma3Model): norms stored as 1 + w, post_attention_norm,
+  ffn_norm (the pre-feed-forward norm), post_ffw_norm, the soft-caps and window; see
+  `_gemma_hparams` for what a llama.cpp file cannot hold (refused) and what is written beyond
+  the converter (a sliding pattern other than llama.cpp's fixed one);
 - the rotary row permutation of Q and K for arch "llama" only (llama.cpp's LlamaModel.permute;
   qwen2/qwen3 files keep HF's row order);
 - metadata `{arch}.*` as the converter sets it;
@@ -24,6 +33,7 @@ table stay float32.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +46,9 @@ from hf_fixtures import GPT2_GGUF, SHARED
 
 STORIES_GGUF = SHARED / "models" / "stories260K" / "stories260K.gguf"
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3")
-ARCHS = LLAMA_FAMILY + ("gpt2",)
+MOE_ARCHS = ("qwen2moe", "qwen3moe")   # and "llama" of a Mixtral model
+GEMMA_ARCHS = ("gemma2", "gemma3")
+ARCHS = LLAMA_FAMILY + ("gpt2", "phi3") + MOE_ARCHS + GEMMA_ARCHS
 NONE_ID = 2**32 - 1   # llama.cpp's "no such token" special-token id
 
 _LLAMA_LAYER = {
@@ -45,6 +57,21 @@ _LLAMA_LAYER = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # mixtures of experts (transformers 5 names; the stacked experts: _expert_tensors)
+    "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_PHI3_LAYER = {"input_layernorm": "attn_norm", "self_attn.qkv_proj": "attn_qkv",
+               "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GEMMA_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 _GPT2_LAYER = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
                "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
@@ -102,13 +129,67 @@ def _hparams(config: Any, arch: str) -> dict[str, Any]:
                     ctx=config.n_positions, ffn=config.n_inner or 4 * config.n_embd,
                     eps=config.layer_norm_epsilon)
     heads = config.num_attention_heads
-    return dict(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+    if arch == "phi3":
+        rope = dict(config.rope_parameters)
+        orig = int(config.original_max_position_embeddings)
+        scale = config.max_position_embeddings / orig
+        phi3 = dict(orig_ctx=orig, window=config.sliding_window or 0,
+                    long_factor=rope.get("long_factor"), short_factor=rope.get("short_factor"),
+                    # the converter's attention factor: from the lengths, whatever the config says
+                    attn_factor=math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1
+                    else 1.0)
+    else:
+        phi3 = {}
+    if arch in GEMMA_ARCHS:
+        phi3 = _gemma_hparams(config, arch)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        phi3 = dict(experts=experts, experts_used=config.num_experts_per_tok,
+                    expert_ffn=getattr(config, "moe_intermediate_size", None)
+                    or config.intermediate_size,
+                    shared_ffn=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    return dict(phi3, layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
                 kv_heads=config.num_key_value_heads or heads,
                 head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                 ctx=config.max_position_embeddings, ffn=config.intermediate_size,
-                eps=config.rms_norm_eps, rope_theta=float(getattr(config, "rope_theta", None)
-                                                          or config.rope_parameters["rope_theta"]),
+                eps=config.rms_norm_eps, rope_theta=float(
+                    getattr(config, "rope_theta", None)
+                    or config.rope_parameters.get("full_attention", config.rope_parameters)
+                    ["rope_theta"]),
                 tied=bool(config.tie_word_embeddings))
+
+
+def _gemma_hparams(config: Any, arch: str) -> dict[str, Any]:
+    """What llama.cpp's Gemma2Model / Gemma3Model write, and the HF settings a llama.cpp file
+    cannot hold refused (ValueError): a query_pre_attn_scalar other than the one llama.cpp
+    derives (head_dim; hidden / heads at the 27B layer counts), gemma2's rope theta other than
+    10000 (no freq_base is written), gemma3's attention soft-cap (its converter refuses it).
+    Beyond the converter: the sliding pattern as one bool per layer where the layer types are
+    not llama.cpp's fixed period (2 / 6), and gemma3's local rope base where it is not 10000."""
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = config.head_dim
+    derived = (config.hidden_size // heads if layers == {"gemma2": 46, "gemma3": 62}[arch]
+               else head_dim)
+    if config.query_pre_attn_scalar != derived:
+        raise ValueError(f"{arch}: query_pre_attn_scalar {config.query_pre_attn_scalar} cannot "
+                         f"be stored (llama.cpp derives {derived})")
+    rope = dict(config.rope_parameters)
+    full, local = rope.get("full_attention", rope), rope.get("sliding_attention", rope)
+    if full.get("rope_type", "default") not in ("default", "linear"):
+        raise ValueError(f"{arch}: rope_type {full['rope_type']!r} is not written by the fixture")
+    period = 2 if arch == "gemma2" else 6
+    sliding = [t == "sliding_attention" for t in config.layer_types]
+    gemma3 = arch == "gemma3"
+    if not gemma3 and float(full["rope_theta"]) != 10000.0:
+        raise ValueError("gemma2: llama.cpp's converter writes no rope theta (10000 is assumed)")
+    if gemma3 and config.attn_logit_softcapping is not None:
+        raise ValueError("gemma3: llama.cpp's converter refuses attn_logit_softcapping")
+    return dict(window=config.sliding_window,
+                pattern=None if sliding == [i % period < period - 1 for i in range(layers)]
+                else sliding,
+                attn_cap=config.attn_logit_softcapping, final_cap=config.final_logit_softcapping,
+                linear=full.get("factor") if full.get("rope_type") == "linear" else None,
+                local_theta=float(local["rope_theta"]) if gemma3 else None)
 
 
 def gguf_tensors(state_dict: Mapping[str, torch.Tensor], config: Any,
@@ -118,20 +199,49 @@ def gguf_tensors(state_dict: Mapping[str, torch.Tensor], config: Any,
     out: dict[str, np.ndarray] = {}
     for name, t in state_dict.items():
         w = t.detach().to(torch.float32).cpu().numpy().copy()
-        gguf_name = _gpt2_name(name) if arch == "gpt2" else _llama_name(name, hp)
+        if ".mlp.experts." in name:
+            out.update(_expert_tensors(name, w))
+            continue
+        if name.endswith("mlp.shared_expert_gate.weight"):
+            w = w.reshape(-1)   # the converter squeezes [1, H] to [H]
+        gguf_name = _gguf_name(name, hp, arch)
         if gguf_name is None:
             continue
         if arch == "gpt2" and name.endswith(_GPT2_CONV1D):
             w = np.ascontiguousarray(w.T)   # Conv1D [in, out] -> [out, in]
         if arch == "llama" and _is_rotary(gguf_name):
             w = llama_permute(w, hp["heads"] if ".attn_q." in gguf_name else hp["kv_heads"])
+        if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+            w = w + np.float32(1.0)   # llama.cpp stores Gemma's norms as 1 + w
         out[gguf_name] = np.ascontiguousarray(w)
     if arch == "gpt2" and "output.weight" not in out:
         out["output.weight"] = out["token_embd.weight"].copy()
+    if arch == "phi3" and hp["long_factor"] is not None:
+        out["rope_factors_long.weight"] = np.asarray(hp["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.asarray(hp["short_factor"], np.float32)
     return out
 
 
-def _llama_name(name: str, hp: dict[str, Any]) -> str | None:
+def _expert_tensors(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """transformers 5's stacked experts -> llama.cpp's ffn_{gate,up,down}_exps (3-D)."""
+    layer = name.split(".")[2]
+    if name.endswith("experts.gate_up_proj"):   # [E, 2I, H]: gate rows, then up rows
+        half = w.shape[1] // 2
+        return {f"blk.{layer}.ffn_gate_exps.weight": np.ascontiguousarray(w[:, :half]),
+                f"blk.{layer}.ffn_up_exps.weight": np.ascontiguousarray(w[:, half:])}
+    if name.endswith("experts.down_proj"):
+        return {f"blk.{layer}.ffn_down_exps.weight": np.ascontiguousarray(w)}
+    raise KeyError(f"no GGUF name for HF tensor {name!r}")
+
+
+def _gguf_name(name: str, hp: dict[str, Any], arch: str) -> str | None:
+    layer_names = {"phi3": _PHI3_LAYER, **dict.fromkeys(GEMMA_ARCHS, _GEMMA_LAYER)}
+    return _gpt2_name(name) if arch == "gpt2" else _llama_name(
+        name, hp, layer_names.get(arch, _LLAMA_LAYER))
+
+
+def _llama_name(name: str, hp: dict[str, Any],
+                layer_names: Mapping[str, str] = _LLAMA_LAYER) -> str | None:
     if name.endswith("rotary_emb.inv_freq"):
         return None
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
@@ -141,8 +251,8 @@ def _llama_name(name: str, hp: dict[str, Any]) -> str | None:
     parts = name.split(".")
     if parts[:2] == ["model", "layers"]:
         layer, stem, suffix = parts[2], ".".join(parts[3:-1]), parts[-1]
-        if stem in _LLAMA_LAYER:
-            return f"blk.{layer}.{_LLAMA_LAYER[stem]}.{suffix}"
+        if stem in layer_names:
+            return f"blk.{layer}.{layer_names[stem]}.{suffix}"
     raise KeyError(f"no GGUF name for HF tensor {name!r}")
 
 
@@ -172,13 +282,55 @@ def _add_metadata(writer: Any, hp: dict[str, Any], arch: str, vocab_size: int) -
     if arch == "gpt2":
         writer.add_layer_norm_eps(hp["eps"])
         return
+    if arch in GEMMA_ARCHS:
+        _add_gemma_metadata(writer, hp, arch)
+        return
     writer.add_head_count_kv(hp["kv_heads"])
     writer.add_rope_freq_base(hp["rope_theta"])
     writer.add_layer_norm_rms_eps(hp["eps"])
     writer.add_rope_dimension_count(hp["head_dim"])
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(hp["orig_ctx"])
+        writer.add_sliding_window(hp["window"])
+        if hp["long_factor"] is not None:
+            writer.add_rope_scaling_attn_factors(hp["attn_factor"])
+        return
     writer.add_key_length(hp["head_dim"])
     writer.add_value_length(hp["head_dim"])
     writer.add_vocab_size(vocab_size)
+    if "experts" in hp:
+        writer.add_expert_count(hp["experts"])
+        writer.add_expert_used_count(hp["experts_used"])
+        if arch in MOE_ARCHS:
+            writer.add_expert_feed_forward_length(hp["expert_ffn"])
+        if hp["shared_ffn"]:
+            writer.add_expert_shared_feed_forward_length(hp["shared_ffn"])
+
+
+def _add_gemma_metadata(writer: Any, hp: dict[str, Any], arch: str) -> None:
+    """Gemma2Model / Gemma3Model's keys (no vocab_size or rope dimension count; gemma2 no rope
+    theta), see _gemma_hparams."""
+    import gguf
+    writer.add_head_count_kv(hp["kv_heads"])
+    writer.add_layer_norm_rms_eps(hp["eps"])
+    writer.add_key_length(hp["head_dim"])
+    writer.add_value_length(hp["head_dim"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(hp["attn_cap"])
+        writer.add_final_logit_softcapping(hp["final_cap"])
+        writer.add_sliding_window(hp["window"])
+    else:
+        writer.add_rope_freq_base(hp["rope_theta"])   # the global layers'
+        if hp["final_cap"]:
+            writer.add_final_logit_softcapping(hp["final_cap"])
+        writer.add_sliding_window(hp["window"])
+        if hp["linear"] is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(hp["linear"])
+        if hp["local_theta"] != 10000.0:
+            writer.add_rope_freq_base_swa(hp["local_theta"])
+    if hp["pattern"] is not None:
+        writer.add_sliding_window_pattern(hp["pattern"])
 
 
 def copy_tokenizer_fields(writer: Any, source: str | Path) -> int:
@@ -234,7 +386,7 @@ def small_bpe_vocab_gguf(out_path: str | Path, size: int = 512,
 
 
 def _quantizable(name: str, w: np.ndarray) -> bool:
-    return (w.ndim == 2 and w.shape[1] % 32 == 0 and name.endswith(".weight")
+    return (w.ndim in (2, 3) and w.shape[-1] % 32 == 0 and name.endswith(".weight")
             and not name.startswith("position_embd"))
 
 
@@ -315,7 +467,12 @@ def dequantized_state_dict(path: str | Path, model: torch.nn.Module,
     hp = _hparams(model.config, arch)
     out = dict(state)
     for hf_name, t in state.items():
-        gguf_name = _gpt2_name(hf_name) if arch == "gpt2" else _llama_name(hf_name, hp)
+        if ".mlp.experts." in hf_name:
+            parts = [stored[n].reshape(ours[n].shape).astype(np.float32)
+                     for n in _expert_tensors(hf_name, t.numpy())]
+            out[hf_name] = torch.from_numpy(np.concatenate(parts, axis=1)).reshape(t.shape)
+            continue
+        gguf_name = _gguf_name(hf_name, hp, arch)
         if gguf_name is None or gguf_name not in stored:
             continue
         w = stored[gguf_name].reshape(ours[gguf_name].shape).astype(np.float32)
@@ -324,6 +481,8 @@ def dequantized_state_dict(path: str | Path, model: torch.nn.Module,
             w = unpermute(w, n_head)
         if arch == "gpt2" and hf_name.removeprefix("transformer.").endswith(_GPT2_CONV1D):
             w = w.T
+        if arch in GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
         out[hf_name] = torch.from_numpy(np.ascontiguousarray(w)).reshape(t.shape)
     if arch != "gpt2" and hp["tied"]:   # one parameter under two names: load both alike
         out["lm_head.weight"] = out["model.embed_tokens.weight"]

@@ -78,3 +78,43 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GemmaForCausalLM"]}')
     with pytest.raises(UnsupportedModelError, match="GemmaForCausalLM"):
         convert_hf_to_gguf(tmp_path, tmp_path / "x.gguf")
+
+
+def test_converted_mixtral_stacks_experts_and_equals_transformers(tmp_path: Path) -> None:
+    """Mixtral (`llama` with expert_count): the per-expert w1/w3/w2 tensors become
+    llama.cpp's stacked ffn_*_exps; greedy tokens equal transformers on the F16-rounded
+    weights (every matrix, the 3-D expert stacks included)."""
+    case = CASES["mixtral"]
+    tok = case.tokenizer()
+    hf = build_hf_model(case, tok)
+    model_dir = save_model_dir(hf, tok, tmp_path / "mixtral")
+    out = convert_hf_to_gguf(model_dir, tmp_path / "mixtral.gguf")
+    names = {t.name for t in open_gguf(out).tensors}
+    assert "blk.0.ffn_gate_exps.weight" in names and "blk.1.ffn_down_exps.weight" in names
+    assert not any(".ffn_gate.0." in n for n in names)
+    config = gguf_config(open_gguf(out))
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert config["num_local_experts"] == 4 and config["num_experts_per_tok"] == 2
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.half().float())
+    hf.generation_config.eos_token_id = None
+    llm = LLM(model=str(out), device="cpu", dtype="float32", quantization="none",
+              load_progress=False, num_kv_blocks=64, max_num_seqs=4)
+    for text in TEXTS[:2]:
+        ids = tok(text).input_ids
+        want = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           do_sample=False, max_new_tokens=N, min_new_tokens=N)[0, len(ids):].tolist()
+        got = llm.generate([ids], SamplingParams(max_tokens=N, temperature=0.0,
+                                                 ignore_eos=True))[0].token_ids
+        assert got == want, text
+
+
+def test_converting_moe_llama_cpp_cannot_express_is_refused(tmp_path: Path) -> None:
+    """qwen2_moe's case keeps layer 1 dense (mlp_only_layers): llama.cpp routes every layer."""
+    case = CASES["qwen2_moe"]
+    tok = case.tokenizer()
+    model_dir = save_model_dir(build_hf_model(case, tok), tok, tmp_path / "qwen2_moe")
+    with pytest.raises(UnsupportedModelError, match="dense layers"):
+        convert_hf_to_gguf(model_dir, tmp_path / "x.gguf")

@@ -180,6 +180,40 @@ def test_rope_scaling_changes_the_model(scaled_name: str, models: dict[str, Buil
     assert diff > 1e-2
 
 
+def _without(hf: torch.nn.Module, feature: str) -> torch.nn.Module:
+    """A copy of an HF model with its sliding window, attention soft-cap or final soft-cap
+    off (same weights)."""
+    off = copy.deepcopy(hf)
+    cfg = off.config
+    if feature == "window":
+        cfg.sliding_window = 10 ** 6   # Gemma builds its sliding masks whatever the layers
+        for layer in off.model.layers:
+            layer.self_attn.sliding_window = None
+    elif feature == "attn_softcap":
+        for layer in off.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+    else:
+        cfg.final_logit_softcapping = None
+    return off
+
+
+@pytest.mark.parametrize("name, feature", [
+    ("mistral_window", "window"), ("gemma2", "window"), ("gemma2", "attn_softcap"),
+    ("gemma2", "final_softcap"), ("gemma3", "window")])
+def test_window_and_softcaps_change_the_model(name: str, feature: str,
+                                              models: dict[str, Built],
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The sliding window and the soft-caps of the windowed / Gemma cases change
+    transformers' logits on the parity prompts, so their parity proves those features."""
+    model = built(models, name, tmp_path_factory)
+    off = _without(model.hf, feature)
+    vocab = len(model.tokenizer)
+    for ids in (model.encode(PROMPTS[1]), random_prompt(vocab, 40, seed=7)):
+        assert len(ids) > 8
+        diff = (hf_logits(model.hf, ids) - hf_logits(off, ids)).abs().max().item()
+        assert diff > 1e-2, (feature, diff)
+
+
 def test_dynamic_ntk_rope_equals_transformers_past_the_original_length(
         models: dict[str, Built], tmp_path_factory: pytest.TempPathFactory,
         cache_dir: Path) -> None:
@@ -226,9 +260,22 @@ def test_gpt2_gguf_tokenizer_matches_llama_cpp() -> None:
 # The bounds below keep ~1.5-2x margin over those worst cases: tessellm's bf16 must be as
 # close to HF's bf16 as HF's own rounding noise allows, and no less accurate than HF's bf16.
 BF16_REL_STD = 0.1
+# Gemma rounds more often in bf16 (four norms per layer, Gemma 3's q/k norms before rope, the
+# soft-caps), and tessellm's Gemma norm multiplies by 1 + w in bf16 where HF does so in
+# float32 (gemma.py): HF's own bf16 error there reaches ~0.5 std (gemma3, one random prompt),
+# and tessellm - HF bf16 measured up to 0.15 std + 0.05 (gemma2), 0.37 std + 0.05 (gemma3),
+# with tessellm's error within 1.45x / 1.6x of HF's (the BF16_ERROR_RATIO check below holds
+# them as it does every case). Bounds ~1.5x over those.
+BF16_REL_STD_BY_CASE = {"gemma2": 0.25, "gemma3": 0.55}
 BF16_ABS = 0.05
 BF16_ERROR_RATIO = 2.0
 NUM_BF16_RANDOM_PROMPTS = 5
+# A mixture of experts routes on the top-k of its router's scores: where two experts' scores
+# are within bf16 rounding (mixtral's random prompt 0: 2e-4 apart at layer 0), one bf16 run
+# sends the token to the other expert and the logits move by ~0.3 std, for HF's bf16 as for
+# tessellm's. There only the accuracy bound (against fp32) holds; it is checked for them.
+MOE_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                               "Qwen3MoeForCausalLM"})
 
 
 @pytest.mark.parametrize("model", ALL_CASES, indirect=True)
@@ -248,7 +295,9 @@ def test_bf16_prefill_logits_close_to_hf(model: Built, cache_dir: Path) -> None:
         assert torch.isfinite(ours).all()
         std = theirs.std().item()
         diff = (ours - theirs).abs().max().item()
-        assert diff <= BF16_REL_STD * std + BF16_ABS, (diff, std)
+        routed = set(model.hf.config.architectures or ()) & MOE_ARCHITECTURES
+        rel_std = BF16_REL_STD_BY_CASE.get(model.name, BF16_REL_STD)
+        assert routed or diff <= rel_std * std + BF16_ABS, (diff, std)
         our_error = (ours - exact).abs().max().item()
         hf_error = (theirs - exact).abs().max().item()
         assert our_error <= BF16_ERROR_RATIO * hf_error + 0.02, (our_error, hf_error)
@@ -279,13 +328,15 @@ def test_stories260k_reference_greedy(cache_dir: Path) -> None:
 # --------------------------------------------------------------------------- batching
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma2", "gemma3"])
 def test_continuous_batching_with_preemption_matches_alone(
-        models: dict[str, Built], tmp_path_factory: pytest.TempPathFactory,
+        name: str, models: dict[str, Built], tmp_path_factory: pytest.TempPathFactory,
         cache_dir: Path) -> None:
     """24 prompts through a 60-block pool (4 tokens a block, 32 tokens a step, 8 sequences):
     prefills are chunked and running requests are preempted and recomputed, yet every output
-    equals what the prompt gets alone in an unconstrained engine."""
-    model = built(models, "llama", tmp_path_factory)
+    equals what the prompt gets alone in an unconstrained engine. The windowed cases: prompt
+    chunks start inside and past a window of 8 (blocks of 4 tokens)."""
+    model = built(models, name, tmp_path_factory)
     rng = random.Random(1234)
     vocab = len(model.tokenizer)
     lengths = [5, 120] + [rng.randint(5, 120) for _ in range(22)]
@@ -328,3 +379,37 @@ def test_unwritten_kv_slots_never_reach_the_output(decode: str, prefill: str,
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0.0,
                                                             ignore_eos=True))[0]
     assert out.token_ids == STORIES_GREEDY_8
+
+
+# ------------------------------------------------------------ Gemma 3 multimodal checkpoint
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(
+        tmp_path: Path, cache_dir: Path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny SigLIP tower beside the gemma3
+    case's text model, saved as transformers saves it: language_model.model.*, vision_tower.*,
+    multi_modal_projector.*) loads its text model: greedy tokens of a text prompt equal HF's
+    ConditionalGeneration model's."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from hf_fixtures import randomize_weights
+    case = CASES["gemma3"]
+    tok = case.tokenizer()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=case.config(tok).to_dict(), vision_config=vision,
+                       mm_tokens_per_image=4, image_token_index=len(tok) - 1,
+                       boi_token_index=len(tok) - 3, eoi_token_index=len(tok) - 2)
+    cfg._attn_implementation = "eager"
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    randomize_weights(hf, case.seed)
+    save_model_dir(hf, tok, tmp_path)
+    hf.generation_config.eos_token_id = None
+    llm = make_llm(tmp_path, cache_dir, dtype="float32", **ENGINE_OPTIONS)
+    assert llm.engine.parts.spec.architecture == "Gemma3ForCausalLM"
+    for prompt in PROMPTS[1:]:
+        ids = list(tok(prompt).input_ids)
+        want = hf_greedy(hf, ids, 20)
+        assert len(set(want)) >= 4
+        assert llm.generate([ids], SamplingParams(max_tokens=20, temperature=0.0,
+                                                  ignore_eos=True))[0].token_ids == want

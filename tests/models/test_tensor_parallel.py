@@ -1,8 +1,8 @@
 """Tensor parallelism end to end on this machine: 2 ranks (processes) over gloo, 1 thread each,
 against one process, float32.
 
-For stories260K and random-weight Llama (GQA 4/2), Qwen3 (q/k norm) and GPT-2 (biases, tied
-head, learned positions) shapes: greedy tokens are identical and prefill logits agree within
+For stories260K and random-weight Llama (GQA 4/2), Qwen3 (q/k norm), GPT-2 (biases, tied
+head, learned positions) and Phi-3 (fused qkv / gate_up checkpoint, longrope) shapes: greedy tokens are identical and prefill logits agree within
 1e-5; with one KV head over 2 ranks (replicated) tokens are identical too. A rank's KV pool
 holds its KV heads only; killing a rank fails the open requests at once and the engine stays
 dead; torchrun's environment (two processes on loopback) runs the same engine.
@@ -74,7 +74,7 @@ def test_stories260k_two_ranks_equal_one_and_the_reference(cache):
     assert prompt + out.token_ids == ref["token_ids"][:45]
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "gpt2", "phi3", "mixtral", "qwen2_moe"])
 def test_random_weight_models_two_ranks_equal_one(case, tmp_path, cache):
     c = CASES[case]
     tok = c.tokenizer()

@@ -167,15 +167,16 @@ class AttentionSite:
 
     def __init__(self, dtype: torch.dtype, dims: tuple, selector: KernelSelector,
                  clock: BindingClock | None = None) -> None:
-        kv_dims = tuple((k, v) for k, v in dims if k != "num_heads")
+        kv_dims = tuple((k, v) for k, v in dims
+                        if k not in ("num_heads", "sliding_window", "logit_softcap"))
         self.write = KernelSite("write_kv_cache", dtype, kv_dims, selector, clock=clock)
         self.decode = KernelSite("attention_decode", dtype, dims, selector, clock=clock)
         self.prefill = KernelSite("attention_prefill", dtype, dims, selector, clock=clock)
         self._meta: AttentionMetadata | None = None
         self._parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
-    def kernels_for(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float
-                    ) -> tuple[Kernel, ...] | None:
+    def kernels_for(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                    *features: Any) -> tuple[Kernel, ...] | None:
         """The kernels a call runs (KernelSite.kernels_for); None for a step with both decodes
         and prefills, which also concatenates their outputs."""
         if meta.num_prefills and meta.num_decodes:
@@ -183,18 +184,21 @@ class AttentionSite:
         attend = self.decode if meta.num_prefills == 0 else self.prefill
         return self.write.kernels_for(k) + attend.kernels_for(q)
 
-    def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+    def __call__(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float,
+                 *features: Any):
+        """`features`: (sliding_window, logit_softcap) where the node has them (its dims say
+        so, and only kernels that support them were chosen), passed on to the kernels."""
         self.write(k, v, kv_cache, meta.slot_mapping)
         if meta.num_prefills == 0:
-            return self.decode(q, kv_cache, meta, scale)
+            return self.decode(q, kv_cache, meta, scale, *features)
         if meta.num_decodes == 0:
-            return self.prefill(q, kv_cache, meta, scale)
+            return self.prefill(q, kv_cache, meta, scale, *features)
         if meta is not self._meta:  # split once per step, reused by every layer
             self._meta, self._parts = meta, (meta.decode_part(), meta.prefill_part())
         dec, pre = self._parts
         nd = meta.num_decode_tokens
-        return torch.cat((self.decode(q[:nd], kv_cache, dec, scale),
-                          self.prefill(q[nd:], kv_cache, pre, scale)))
+        return torch.cat((self.decode(q[:nd], kv_cache, dec, scale, *features),
+                          self.prefill(q[nd:], kv_cache, pre, scale, *features)))
 
 
 def adopt_weight_layouts(plan: ExecutionPlan, weights: dict[str, Any]) -> int:

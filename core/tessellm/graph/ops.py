@@ -68,15 +68,57 @@ def gelu_tanh(x):
     return ref.gelu_tanh(x)
 
 
+def mul_scalar(x, factor):
+    return ref.mul_scalar(x, factor)
+
+
+def logit_softcap(x, cap):
+    return ref.logit_softcap(x, cap)
+
+
 def rotary_embedding(positions, q, k, cos_sin, head_dim):
     return ref.rotary_embedding(positions, q, k, cos_sin, head_dim)
 
 
+def moe_router(router_logits, top_k, renormalize, scoring):
+    return ref.moe_router(router_logits, top_k, renormalize, scoring)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    return ref.fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_packed(x, w13, w2, topk_weights, topk_ids):
+    return ref.fused_moe_packed(x, w13, w2, topk_weights, topk_ids)
+
+
+def sigmoid_gate(gate_logits, y):
+    return ref.sigmoid_gate(gate_logits, y)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's K/V into the paged cache, then attend (decodes, then prefills)."""
+              meta: AttentionMetadata, scale: float, sliding_window: int = 0,
+              logit_softcap: float = 0.0) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend (decodes, then prefills).
+    sliding_window / logit_softcap (0: off) as reference.paged_attention has them; a node
+    that uses them also carries them in its dims (attention_feature_dims), so only kernels
+    whose `supports` accepts them are chosen."""
     ref.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    return ref.paged_attention(q, kv_cache, meta, scale)
+    return ref.paged_attention(q, kv_cache, meta, scale, sliding_window, logit_softcap)
+
+
+def attention_feature_dims(sliding_window: int = 0, logit_softcap: float = 0.0
+                           ) -> dict[str, int]:
+    """The kernel-query dims that say an attention call uses a window or a soft-cap (none
+    when off, so plain attention keeps its profile buckets): `sliding_window` in tokens and
+    `logit_softcap` as the cap in thousandths (dims are ints; the exact float is the call's
+    argument, this only selects and buckets kernels)."""
+    dims: dict[str, int] = {}
+    if sliding_window > 0:
+        dims["sliding_window"] = int(sliding_window)
+    if logit_softcap > 0:
+        dims["logit_softcap"] = max(1, round(logit_softcap * 1000))
+    return dims
 
 
 # Structural helpers (not device ops).
@@ -134,7 +176,9 @@ DEVICE_OPS: dict[Callable, str] = {
     fn: fn.__name__ for fn in (
         embedding, linear, embedding_packed, linear_packed, linear_packed_q8act, rms_norm,
         fused_add_rms_norm, layer_norm, add, mul, silu,
-        silu_and_mul, gelu_tanh, rotary_embedding)
+        silu_and_mul, gelu_tanh, mul_scalar, logit_softcap,
+        rotary_embedding, moe_router, fused_moe, fused_moe_packed,
+        sigmoid_gate)
 }
 COMPOSITE_OPS: dict[Callable, tuple[str, ...]] = {
     attention: ("write_kv_cache", "attention_decode", "attention_prefill"),

@@ -14,12 +14,16 @@ import torch
 
 from tessellm.errors import KernelError
 from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
+from tessellm.kernels.moe_examples import MOE_OPS, moe_example
 from tessellm.kernels.registry import KernelQuery
 from tessellm.quant.formats import packed_example, packed_format, random_packed
 
 EXAMPLE_BLOCK_SIZE = 16
 DECODE_CONTEXT = 128    # context length of each decode sequence in examples
 PREFILL_CHUNK = 128     # tokens per prefill sequence in examples
+# a query's sliding_window is capped to this in examples, so the window bites within their
+# contexts (the kernel gets the window as an argument; the dims only select and bucket)
+EXAMPLE_WINDOW_MAX = 40
 
 
 def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev: str,
@@ -94,9 +98,20 @@ def _attention_example(query: KernelQuery, dev: str, gen: torch.Generator) -> li
         # the second sequence (if any) has cached context before its chunk
         slens = [q + (32 if i == 1 else 0) for i, q in enumerate(qlens)]
         nd = 0
-    return paged_attention_case(qlens, slens, nd, EXAMPLE_BLOCK_SIZE, query.dim("num_heads"),
+    args = paged_attention_case(qlens, slens, nd, EXAMPLE_BLOCK_SIZE, query.dim("num_heads"),
                                 query.dim("num_kv_heads"), query.dim("head_dim"), query.dtype,
                                 dev, gen)
+    return args + attention_feature_args(query)
+
+
+def attention_feature_args(query: KernelQuery) -> list[Any]:
+    """[sliding_window, logit_softcap] for an attention query whose dims have either (the
+    window capped at EXAMPLE_WINDOW_MAX, the cap from its thousandths), [] otherwise."""
+    d = dict(query.dims)
+    if "sliding_window" not in d and "logit_softcap" not in d:
+        return []
+    return [min(d.get("sliding_window", 0), EXAMPLE_WINDOW_MAX),
+            d.get("logit_softcap", 0) / 1000.0]
 
 
 def _sample_example(T: int, vocab: int, dev: str, gen: torch.Generator) -> list[Any]:
@@ -213,6 +228,10 @@ def make_example(query: KernelQuery, dev: str,
         return [_randn(gen, (T, d["features"]), dt, dev)]
     if op == "silu_and_mul":
         return [_randn(gen, (T, 2 * d["features"]), dt, dev)]
+    if op == "mul_scalar":   # Gemma's sqrt(hidden) of a hidden that is no square
+        return [_randn(gen, (T, d["features"]), dt, dev), math.sqrt(3072)]
+    if op == "logit_softcap":   # values well past the cap as well as inside it
+        return [_randn(gen, (T, d["features"]), dt, dev, 8.0), 5.0]
     if op == "rotary_embedding":
         nh, nkv, hd = d["num_heads"], d["num_kv_heads"], d["head_dim"]
         inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
@@ -237,6 +256,8 @@ def make_example(query: KernelQuery, dev: str,
         return _greedy_example(T, d["vocab"], dt, dev, gen)
     if op == "apply_token_bitmask":
         return bitmask_example(T, d["vocab"], dt, dev, gen)
+    if op in MOE_OPS:
+        return moe_example(query, dev, gen, memo)
     raise KernelError(f"no example inputs defined for op {op!r}")
 
 

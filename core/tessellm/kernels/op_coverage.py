@@ -11,8 +11,10 @@ from __future__ import annotations
 
 REQUIRED_OPS = frozenset({
     "embedding", "linear", "rms_norm", "layer_norm", "add", "mul", "silu", "gelu_tanh",
-    "rotary_embedding", "write_kv_cache", "attention_prefill", "attention_decode"})
+    "rotary_embedding", "write_kv_cache", "attention_prefill", "attention_decode",
+    "mul_scalar", "logit_softcap",
+    "moe_router", "fused_moe", "sigmoid_gate"})
 OPTIONAL_OPS = frozenset({
     "fused_add_rms_norm", "silu_and_mul",
-    "embedding_packed", "linear_packed", "linear_packed_q8act",
+    "embedding_packed", "linear_packed", "linear_packed_q8act", "fused_moe_packed",
     "sample_tokens", "greedy_tokens", "apply_token_bitmask"})

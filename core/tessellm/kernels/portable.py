@@ -23,6 +23,9 @@ import torch.nn.functional as F
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.reference import apply_token_bitmask  # noqa: F401  (portable as it is:
 #   no host reads, a boolean mask of the logits' own shape)
+from tessellm.kernels.portable_moe import fused_moe_dense, fused_moe_packed_dense  # noqa: F401
+from tessellm.kernels.reference_moe import moe_router, sigmoid_gate  # noqa: F401  (portable
+#   as they are: topk and elementwise math of fixed shapes)
 from tessellm.quant.formats import PackedWeight, dequantize
 
 CHUNK_BYTES = 64 << 20
@@ -44,6 +47,14 @@ def layer_norm(x, weight, bias, eps):
 
 def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
+
+
+def mul_scalar(x, factor):
+    return x * torch.tensor(factor, dtype=torch.float32, device=x.device).to(x.dtype)
+
+
+def logit_softcap(x, cap):
+    return torch.tanh(x / cap) * cap
 
 
 def silu_and_mul(x):
@@ -98,9 +109,12 @@ def _chunk_blocks(num_tokens: int, width: int, block_size: int, num_kv_heads: in
 
 
 def paged_attention_static(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                           scale: float, sliding_window: int = 0, logit_softcap: float = 0.0,
+                           chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V (see the module docstring);
-    float32 scores and softmax, output in q's dtype. Reads only device tensors."""
+    float32 scores and softmax, output in q's dtype. Reads only device tensors.
+    sliding_window > 0: keys at positions <= pos - window are hidden; logit_softcap > 0:
+    scores become cap * tanh(scores / cap) (as reference.paged_attention)."""
     _, _, nkv, bs, hd = kv_cache.shape
     T = q.shape[0]
     nh = q.shape[1] // hd
@@ -119,6 +133,7 @@ def paged_attention_static(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
     pos = seq_lens[seq] - q_len + (tok - qsl[:-1][seq])            # [T]
     limit = torch.minimum(pos + 1, seq_lens[seq])                  # keys < limit are visible
     limit = torch.where(tok_valid, limit, torch.zeros_like(limit))
+    first = pos - sliding_window + 1 if sliding_window > 0 else None   # keys >= first
     qf = q.reshape(T, nkv, group, hd).float() * scale
     m = torch.full((T, nkv, group), float("-inf"), device=dev)
     l_sum = torch.zeros((T, nkv, group), device=dev)
@@ -134,7 +149,11 @@ def paged_attention_static(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         v = v.permute(0, 2, 1, 3, 4).reshape(T, nkv, (b1 - b0) * bs, hd)
         key_pos = torch.arange(b0 * bs, b1 * bs, device=dev)
         visible = key_pos[None, :] < limit[:, None]                # [T, C]
+        if first is not None:
+            visible = visible & (key_pos[None, :] >= first[:, None])
         s = torch.einsum("tkgd,tkcd->tkgc", qf, k)
+        if logit_softcap > 0:
+            s = torch.tanh(s / logit_softcap) * logit_softcap
         s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.reference_moe import fused_moe, fused_moe_packed, moe_router, sigmoid_gate
 from tessellm.quant.formats import PackedWeight, dequantize
 
 
@@ -94,6 +95,18 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
 
 
+def mul_scalar(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x times `factor` rounded to float32 and then to x's dtype (Gemma's embedding scale:
+    transformers keeps it as a float32 buffer and multiplies in the weights' dtype)."""
+    return x * torch.tensor(factor, dtype=torch.float32, device=x.device).to(x.dtype)
+
+
+def logit_softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) in x's dtype, in transformers' order (divide, tanh, multiply):
+    Gemma 2's final logit soft-capping."""
+    return torch.tanh(x / cap) * cap
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return torch.cat((-x[..., d:], x[..., :d]), dim=-1)
@@ -141,9 +154,15 @@ def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: in
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+                    scale: float, sliding_window: int = 0,
+                    logit_softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each sequence's query tokens over its cached K/V (the new tokens'
-    K/V must already be written). q: [num_tokens, num_heads * head_dim]. GQA by head groups."""
+    K/V must already be written). q: [num_tokens, num_heads * head_dim]. GQA by head groups.
+
+    sliding_window > 0: a query at position p sees only the keys at positions > p - window
+    (the `window` latest, its own included: transformers' sliding_window_overlay).
+    logit_softcap > 0: scores become cap * tanh(scores / cap) before the mask and softmax
+    (Gemma 2's attention soft-capping)."""
     num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[4]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc.tolist()
@@ -158,9 +177,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         k = k.float().repeat_interleave(group, dim=1)
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if logit_softcap > 0:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window > 0:
+            hidden = hidden | (k_pos <= q_pos - sliding_window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).flatten(1).to(q.dtype)
     return out
@@ -289,6 +313,8 @@ REFERENCE_OPS = {
     "silu": silu,
     "silu_and_mul": silu_and_mul,
     "gelu_tanh": gelu_tanh,
+    "mul_scalar": mul_scalar,
+    "logit_softcap": logit_softcap,
     "rotary_embedding": rotary_embedding,
     "write_kv_cache": write_kv_cache,
     "attention_prefill": paged_attention,
@@ -296,4 +322,8 @@ REFERENCE_OPS = {
     "sample_tokens": sample_tokens,
     "greedy_tokens": greedy_tokens,
     "apply_token_bitmask": apply_token_bitmask,
+    "moe_router": moe_router,
+    "fused_moe": fused_moe,
+    "fused_moe_packed": fused_moe_packed,
+    "sigmoid_gate": sigmoid_gate,
 }

@@ -9,7 +9,9 @@ import torch
 
 from tessellm.errors import UnsupportedModelError
 from tessellm.graph.ir import ModelGraph
-from tessellm.models import gpt2, llama
+from tessellm.models import gpt2, llama, moe
+from tessellm.models import phi3
+from tessellm.models import gemma
 from tessellm.models.spec import ModelSpec, gpt2_spec, llama_family_spec
 
 
@@ -29,12 +31,26 @@ class Architecture:
 _LLAMA = Architecture(llama_family_spec, llama.adapt_llama_weights, llama.build_llama_graph,
                       llama.adapt_llama_weights)
 
+_MOE = Architecture(moe.moe_spec, moe.adapt_moe_weights, llama.build_llama_graph,
+                    moe.adapt_moe_weights)
+
+_GEMMA = Architecture(gemma.gemma_spec, gemma.adapt_gemma_weights, gemma.build_gemma_graph,
+                      gemma.adapt_gemma_gguf_weights)
+
 BUILTIN_ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
+    "MixtralForCausalLM": _MOE,
+    "Qwen2MoeForCausalLM": _MOE,
+    "Qwen3MoeForCausalLM": _MOE,
+    "Phi3ForCausalLM": Architecture(phi3.phi3_spec, phi3.adapt_phi3_weights,
+                                    llama.build_llama_graph, phi3.adapt_phi3_weights),
     "GPT2LMHeadModel": Architecture(gpt2_spec, gpt2.adapt_gpt2_weights, gpt2.build_gpt2_graph),
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
+    "Gemma3ForConditionalGeneration": _GEMMA,
 }
 
 

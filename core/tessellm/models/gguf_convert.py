@@ -1,5 +1,7 @@
 """`tessellm convert HF_DIR OUT.gguf`: a Hugging Face safetensors checkpoint of the Llama
-family (Llama, Mistral, Qwen2, Qwen3) written as a GGUF file that llama.cpp reads (and
+family (Llama, Mistral, Qwen2, Qwen3) or its mixtures of experts (Mixtral as `llama` with
+`expert_count`, Qwen2-MoE, Qwen3-MoE: per-expert tensors stacked as llama.cpp's
+`ffn_*_exps`) written as a GGUF file that llama.cpp reads (and
 quantizes: `llama_model_quantize`), as its convert_hf_to_gguf.py lays one out.
 
 Invariants:
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +36,19 @@ from tessellm.errors import ModelLoadError, UnsupportedModelError
 log = logging.getLogger(__name__)
 
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+         "Qwen3MoeForCausalLM": "qwen3moe"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
         "output_norm.weight", "lm_head.weight": "output.weight"}
 OUT_TYPES = ("f16", "bf16", "f32")
@@ -54,6 +64,51 @@ def gguf_name(hf_name: str) -> str | None:
     if parts[:2] == ["model", "layers"] and ".".join(parts[3:-1]) in _LAYER:
         return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
     raise UnsupportedModelError(f"no GGUF name for tensor {hf_name!r}")
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_STACK = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def stack_experts(weights: dict[str, torch.Tensor], num_experts: int) -> dict[str, np.ndarray]:
+    """Pop every per-expert tensor of `weights` (HF's `experts.{e}.gate_proj`, Mixtral's
+    `w1/w3/w2`); return llama.cpp's stacks `blk.N.ffn_{gate,up,down}_exps.weight`
+    [E, rows, cols], experts in order (a missing expert is a ModelLoadError)."""
+    found: dict[str, dict[int, torch.Tensor]] = {}
+    for name in [n for n in weights if _EXPERT.match(n)]:
+        layer, expert, part = _EXPERT.match(name).groups()
+        found.setdefault(f"blk.{layer}.{_EXPERT_STACK[part]}.weight", {})[int(expert)] = \
+            weights.pop(name)
+    out = {}
+    for name, by_expert in found.items():
+        if sorted(by_expert) != list(range(num_experts)):
+            raise ModelLoadError(f"convert: {name} has experts {sorted(by_expert)[:8]}..., "
+                                 f"the config says {num_experts}")
+        out[name] = torch.stack([by_expert[e] for e in range(num_experts)]).float().numpy()
+    return out
+
+
+def _add_moe_metadata(writer: Any, arch: str, spec: Any, config: dict[str, Any]) -> None:
+    """expert_count & co.; what llama.cpp's graphs cannot express is refused (they route
+    every layer; qwen3moe renormalizes the chosen weights, qwen2moe does not)."""
+    moe = spec.moe
+    if len(moe.layers) != spec.num_layers:
+        raise UnsupportedModelError(f"convert: {spec.architecture} with dense layers "
+                                    "(mlp_only_layers / decoder_sparse_step) has no GGUF form "
+                                    "(llama.cpp routes every layer)")
+    if arch != "llama" and moe.renormalize != (arch == "qwen3moe"):
+        raise UnsupportedModelError(f"convert: {spec.architecture} with norm_topk_prob="
+                                    f"{moe.renormalize} has no GGUF form ({arch} files "
+                                    f"{'always' if arch == 'qwen3moe' else 'never'} "
+                                    "renormalize)")
+    writer.add_expert_count(moe.num_experts)
+    writer.add_expert_used_count(moe.top_k)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(moe.expert_intermediate_size)
+    if moe.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
 
 
 def interleave_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -168,7 +223,8 @@ def _add_tokenizer(writer: Any, model_dir: Path, arch: str, config: dict[str, An
             if unk in vocab:
                 writer.add_unk_token_id(vocab[unk])
         else:
-            pre = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe"}[arch]
+            pre = {"qwen2": "qwen2", "qwen3": "qwen2", "qwen2moe": "qwen2", "qwen3moe": "qwen2",
+                   "llama": "llama-bpe"}[arch]
             merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
             writer.add_tokenizer_model("gpt2")
             writer.add_tokenizer_pre(pre)
@@ -218,8 +274,8 @@ def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, out_type: str = "
         raise UnsupportedModelError(f"convert: architecture {hf_arch!r} is not supported "
                                     f"(supported: {', '.join(sorted(ARCHS))})")
     arch = ARCHS[hf_arch]
-    from tessellm.models.spec import llama_family_spec
-    spec = llama_family_spec(config)
+    from tessellm.models.architectures import resolve_architecture
+    spec = resolve_architecture(config).spec(config)
     rope = dict(spec.rope_scaling)
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(model_dir.name)
@@ -235,6 +291,8 @@ def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, out_type: str = "
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
     writer.add_vocab_size(spec.vocab_size)
+    if spec.moe is not None:
+        _add_moe_metadata(writer, arch, spec, config)
     file_types = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
                   "f32": gguf.LlamaFileType.ALL_F32}
     writer.add_file_type(file_types[out_type])
@@ -255,6 +313,8 @@ def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, out_type: str = "
     weights = _weights(model_dir)
     if spec.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
+    if spec.moe is not None:
+        extra.update(stack_experts(weights, spec.moe.num_experts))
     for hf_name, t in weights.items():
         name = gguf_name(hf_name)
         if name is None:
@@ -263,6 +323,8 @@ def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, out_type: str = "
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = spec.num_heads if ".attn_q." in name else spec.num_kv_heads
             w = interleave_rotary_rows(w, heads)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)   # llama.cpp's [H] for HF's [1, H]
         if w.ndim == 2 and out_type == "f16":
             writer.add_tensor(name, np.ascontiguousarray(w.astype(np.float16)))
         elif w.ndim == 2 and out_type == "bf16":
@@ -272,7 +334,14 @@ def convert_hf_to_gguf(model_dir: str | Path, out: str | Path, out_type: str = "
         else:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     for name, w in extra.items():
-        writer.add_tensor(name, w)
+        if w.ndim == 3 and out_type != "f32":   # stacked experts: matrices, as the others
+            w = w.astype(np.float16) if out_type == "f16" else w
+            if out_type == "bf16":
+                bits = torch.from_numpy(np.ascontiguousarray(w)).bfloat16().view(torch.int16)
+                writer.add_tensor(name, bits.numpy().view(np.uint8).reshape(*w.shape[:-1], -1),
+                                  raw_dtype=gguf.GGMLQuantizationType.BF16)
+                continue
+        writer.add_tensor(name, np.ascontiguousarray(w))
     out.parent.mkdir(parents=True, exist_ok=True)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

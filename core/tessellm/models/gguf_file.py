@@ -7,6 +7,10 @@ so tensors kept in their packed form are views of the file, never copies. Invari
   architectures' spec readers serve GGUF and safetensors alike.
 - Tensor names are mapped to the names the graph builders read (HF names for the Llama family,
   the adapted names for GPT-2); a missing tensor is a ModelLoadError naming it.
+- phi3's fused `attn_qkv` and `ffn_up` (gate rows, then up rows) keep the HF checkpoint's
+  fused names (qkv_proj, gate_up_proj): tessellm.models.phi3 splits them by rows.
+- gemma2 / gemma3 files (tessellm.models.gguf_gemma) keep llama.cpp's norms (1 + w) and get
+  the settings llama.cpp leaves implied (sliding pattern, query scalar, local rope base).
 - llama.cpp's converter permutes the rows of Q and K of `llama` files for its interleaved
   rotary layout; they are permuted back here (rows only, so packed tensors stay packed).
 - Every tensor's data must lie inside the file: a truncated file is refused before any read.
@@ -24,14 +28,21 @@ import numpy as np
 import torch
 
 from tessellm.errors import ModelLoadError, UnsupportedModelError
+from tessellm.models.gguf_gemma import (GEMMA_GGUF_ARCHITECTURES, GEMMA_NAMES, gemma_config,
+                                        gemma_expected_shapes, gemma_required)
+from tessellm.models.gguf_moe import (MOE_GGUF_ARCHITECTURES, MOE_NAMES, is_moe_file, moe_config,
+                                      moe_expected_shapes, moe_required)
 from tessellm.models.gguf_reader import metadata_field
 from tessellm.models.gguf_split import open_split, split_parts
 from tessellm.quant.formats import PACKED_FORMATS, PackedWeight
 
 log = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gpt2": "GPT2LMHeadModel"}
+GGUF_ARCHITECTURES = {**MOE_GGUF_ARCHITECTURES, **GEMMA_GGUF_ARCHITECTURES,
+                      "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gpt2": "GPT2LMHeadModel", "phi3": "Phi3ForCausalLM"}
+_PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_CONFIG_TENSORS = ("rope_freqs.weight",) + _PHI3_ROPE_FACTORS   # read into the config
 _DENSE_TYPES = {0: np.float32, 1: np.float16}   # F32, F16 (BF16 = 30 handled apart)
 _BF16 = 30
 
@@ -159,6 +170,13 @@ def gguf_config(reader: Any) -> dict[str, Any]:
             raise UnsupportedModelError(f"GGUF {a}: rope scaling {scaling!r} is not supported "
                                         "(supported: none, linear, yarn, and rope_freqs "
                                         "factors)")
+    if a == "phi3":
+        _phi3_rope(config, tensors, num)
+    if a in GEMMA_GGUF_ARCHITECTURES:   # tessellm.models.gguf_gemma
+        return gemma_config(a, config, num, lambda key: metadata_field(reader, f"{a}.{key}"),
+                            tensors)
+    if is_moe_file(a, num):
+        config.update(moe_config(a, num, tensors, layers))
     freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:   # llama.cpp's Llama 3.1+ files: a divisor per rotary frequency
         if "rope_scaling" in config:
@@ -177,6 +195,32 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
+def _phi3_rope(config: dict[str, Any], tensors: dict[str, Any], num: Callable) -> None:
+    """llama.cpp's phi3 files: longrope as two F32 tensors of head_dim / 2 factors
+    (rope_factors_long / _short, both or neither) with `rope.scaling.attn_factor` and
+    `rope.scaling.original_context_length` (no rope.scaling.type)."""
+    found = [n for n in _PHI3_ROPE_FACTORS if n in tensors]
+    if not found:
+        return
+    if len(found) == 1:
+        raise ModelLoadError(f"GGUF phi3: {found[0]} without its pair "
+                             f"({', '.join(n for n in _PHI3_ROPE_FACTORS if n not in found)})")
+    half = config["head_dim"] // 2
+    factors = {}
+    for name, key in zip(_PHI3_ROPE_FACTORS, ("long_factor", "short_factor")):
+        t = tensors[name]
+        if int(t.tensor_type) != 0 or int(np.prod(t.shape)) != half:
+            raise ModelLoadError(f"GGUF phi3: {name} must be {half} F32 values (head_dim / "
+                                 f"2), got {list(t.shape)} of type {t.tensor_type.name}")
+        factors[key] = [float(f) for f in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    config["original_max_position_embeddings"] = num("rope.scaling.original_context_length",
+                                                     int)
+    config["rope_scaling"] = {"rope_type": "longrope", **factors}
+    attn = num("rope.scaling.attn_factor", float, None)
+    if attn is not None:
+        config["rope_scaling"]["attention_factor"] = attn
+
+
 # GGUF tensor-name stem -> graph weight-name stem, per family ("{i}" = layer).
 _LLAMA_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -191,6 +235,7 @@ _LLAMA_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
     "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+    **MOE_NAMES,
 }
 _GPT2_NAMES = {
     "token_embd": "wte", "position_embd": "wpe", "output_norm": "ln_f", "output": "lm_head",
@@ -200,8 +245,17 @@ _GPT2_NAMES = {
 }
 
 
+# phi3: the fused tensors under the HF checkpoint's names (tessellm.models.phi3 splits them)
+_PHI3_NAMES = {k: v for k, v in _LLAMA_NAMES.items()
+               if k.rpartition(".")[2] not in ("attn_q", "attn_k", "attn_v", "attn_q_norm",
+                                               "attn_k_norm", "ffn_gate", "ffn_up")}
+_PHI3_NAMES["blk.{i}.attn_qkv"] = "model.layers.{i}.self_attn.qkv_proj"
+_PHI3_NAMES["blk.{i}.ffn_up"] = "model.layers.{i}.mlp.gate_up_proj"   # [gate | up] rows
+
+
 def _name_map(arch: str, num_layers: int) -> dict[str, str]:
-    table = _GPT2_NAMES if arch == "gpt2" else _LLAMA_NAMES
+    table = {"gpt2": _GPT2_NAMES, "phi3": _PHI3_NAMES,
+             **dict.fromkeys(GEMMA_GGUF_ARCHITECTURES, GEMMA_NAMES)}.get(arch, _LLAMA_NAMES)
     out: dict[str, str] = {}
     for src, dst in table.items():
         layers = range(num_layers) if "{i}" in src else (0,)
@@ -224,7 +278,16 @@ def _unpermute_rows(num_heads: int) -> Callable[[int], torch.Tensor]:
 
 def _tensor(t: Any, dtype: torch.dtype, keep_packed: bool, counts: tuple[Counter, Counter]
             ) -> Weight:
-    """One GGUF tensor as a dense tensor of `dtype` or, where kept, a PackedWeight."""
+    """One GGUF tensor as a dense tensor of `dtype` or, where kept, a PackedWeight. A 3-D
+    tensor (MoE experts, [E, rows, cols]) is read as the 2-D stack of its E * rows rows."""
+    dense = _read_tensor(t, dtype, keep_packed, counts)
+    if isinstance(dense, torch.Tensor) and dense.dim() == 3:
+        return dense.reshape(-1, dense.shape[-1])
+    return dense
+
+
+def _read_tensor(t: Any, dtype: torch.dtype, keep_packed: bool,
+                 counts: tuple[Counter, Counter]) -> Weight:
     import gguf
     packed, expanded = counts
     kind = int(t.tensor_type)
@@ -234,9 +297,9 @@ def _tensor(t: Any, dtype: torch.dtype, keep_packed: bool, counts: tuple[Counter
     if kind == _BF16:
         raw = torch.from_numpy(np.asarray(t.data).view(np.int16))
         return raw.view(torch.bfloat16).to(dtype)
-    if keep_packed and kind in PACKED_FORMATS and len(t.data.shape) == 2:
+    if keep_packed and kind in PACKED_FORMATS and len(t.data.shape) in (2, 3):
         packed[name] += 1
-        rows = int(t.data.shape[0])
+        rows = int(np.prod(t.data.shape[:-1]))
         data = torch.from_numpy(np.asarray(t.data)).reshape(rows, -1)
         return PackedWeight(data, PACKED_FORMATS[kind], int(t.shape[0]), dtype)
     try:
@@ -267,7 +330,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool,
     num_layers = config.get("num_hidden_layers") or config["n_layer"]
     names = _name_map(arch, num_layers)
     by_name = {t.name: t for t in reader.tensors}
-    unknown = sorted(n for n in by_name if n not in names and n != "rope_freqs.weight")
+    unknown = sorted(n for n in by_name if n not in names and n not in _CONFIG_TENSORS)
     if unknown:
         raise ModelLoadError(f"GGUF file {path} has tensors tessellm does not know for {arch}: "
                              f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
@@ -275,7 +338,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, *, keep_packed: bool,
     counts: tuple[Counter, Counter] = (Counter(), Counter())
     weights: dict[str, Weight] = {}
     for src, t in by_name.items():
-        if src != "rope_freqs.weight":   # read into the config (gguf_config)
+        if src not in _CONFIG_TENSORS:   # read into the config (gguf_config)
             weights[names[src]] = _tensor(t, dtype, keep_packed, counts)
     _check_required(arch, config, weights, names, path)
     if arch == "llama":  # undo the converter's rotary row permutation of Q and K
@@ -304,7 +367,15 @@ def _expected_shapes(arch: str, c: dict[str, Any], vocab: int) -> dict[str, tupl
                 "blk.{i}.ffn_down": (h, inter)}
     h, inter, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    return {"token_embd": (vocab, h), "output_norm": (h,), "output": (vocab, h),
+    if arch == "phi3":
+        return {"token_embd": (vocab, h), "output_norm": (h,), "output": (vocab, h),
+                "blk.{i}.attn_norm": (h,), "blk.{i}.attn_qkv": (q + 2 * kv, h),
+                "blk.{i}.attn_output": (h, q), "blk.{i}.ffn_norm": (h,),
+                "blk.{i}.ffn_up": (2 * inter, h), "blk.{i}.ffn_down": (h, inter)}
+    moe = moe_expected_shapes(c) if ("num_experts" in c or "num_local_experts" in c) else {}
+    if arch in GEMMA_GGUF_ARCHITECTURES:
+        moe = gemma_expected_shapes(c)
+    return {**moe, "token_embd": (vocab, h), "output_norm": (h,), "output": (vocab, h),
             "blk.{i}.attn_norm": (h,), "blk.{i}.attn_q": (q, h), "blk.{i}.attn_k": (kv, h),
             "blk.{i}.attn_v": (kv, h), "blk.{i}.attn_output": (h, q),
             "blk.{i}.attn_q_norm": (hd,), "blk.{i}.attn_k_norm": (hd,),
@@ -336,14 +407,23 @@ def _check_required(arch: str, config: dict[str, Any], weights: dict[str, Weight
     if arch == "gpt2":
         per_layer = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
         top = ["token_embd", "position_embd", "output_norm"]
+    elif arch in ("phi3", *GEMMA_GGUF_ARCHITECTURES):
+        per_layer = (["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
+                     if arch == "phi3" else gemma_required(arch))
+        top = ["token_embd", "output_norm"] + ([] if config["tie_word_embeddings"] else ["output"])
     else:
-        per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                     "ffn_gate", "ffn_up", "ffn_down"]
-        per_layer += ["attn_q_norm", "attn_k_norm"] if arch == "qwen3" else []
+        per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"]
+        per_layer += ["attn_q_norm", "attn_k_norm"] if arch in ("qwen3", "qwen3moe") else []
         top = ["token_embd", "output_norm"] + ([] if config["tie_word_embeddings"] else ["output"])
     layers = config.get("num_hidden_layers") or config["n_layer"]
+    moe = "num_experts" in config or "num_local_experts" in config
+
+    def mlp(i: int) -> list[str]:
+        if arch in ("gpt2", "phi3", *GEMMA_GGUF_ARCHITECTURES):
+            return []
+        return moe_required(config, i) if moe else ["ffn_gate", "ffn_up", "ffn_down"]
     required = [f"{t}.weight" for t in top] + [
-        f"blk.{i}.{t}.weight" for i in range(layers) for t in per_layer]
+        f"blk.{i}.{t}.weight" for i in range(layers) for t in per_layer + mlp(i)]
     missing = [r for r in required if names[r] not in weights]
     if missing:
         raise ModelLoadError(f"GGUF file {path} lacks tensor(s) {', '.join(missing[:5])}"

@@ -2,15 +2,18 @@
 
 Per layer: h = x + o_proj(attn(rope(q, k), v)) with q/k/v from rms_norm(x); then
 h + down(silu(gate(n)) * up(n)) with n = rms_norm(h). Qwen3 adds per-head rms_norm of q and k
-before rope. Fusion passes rewrite this graph later; the builder never fuses.
+before rope. The MoE families replace the MLP of their expert layers (tessellm.models.moe).
+Fusion passes rewrite this graph later; the builder never fuses.
 Weight names are the HF names; a tied lm_head reads the embedding weight.
 """
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from tessellm.graph import ops
 from tessellm.graph.ir import GraphBuilder, ModelGraph
+from tessellm.models.moe import expert_mlp
 from tessellm.models.spec import ModelSpec
 
 COS_SIN = "rope.cos_sin"
@@ -21,6 +24,21 @@ def adapt_llama_weights(weights: dict[str, torch.Tensor], spec: ModelSpec) -> di
     out = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     out[COS_SIN] = spec.rope_cos_sin()
     return out
+
+
+def dense_mlp(b: GraphBuilder, n: fx.Node, spec: ModelSpec, layer: int, prefix: str,
+              intermediate: int, role_prefix: str = "") -> fx.Node:
+    """down(silu(gate(n)) * up(n)) over the weights `{prefix}.{gate,up,down}_proj`; roles
+    `{role_prefix}gate_proj` etc. (tensor parallelism splits by them)."""
+    gate = b.linear(n, f"{prefix}.gate_proj", role=f"{role_prefix}gate_proj", layer=layer,
+                    bias=spec.mlp_bias)
+    up = b.linear(n, f"{prefix}.up_proj", role=f"{role_prefix}up_proj", layer=layer,
+                  bias=spec.mlp_bias)
+    inter = {"features": intermediate}
+    act = b.op(ops.mul, b.op(ops.silu, gate, dims=inter, role="act", layer=layer), up,
+               dims=inter, role="act_mul", layer=layer)
+    return b.linear(act, f"{prefix}.down_proj", role=f"{role_prefix}down_proj", layer=layer,
+                    bias=spec.mlp_bias)
 
 
 def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> ModelGraph:
@@ -47,20 +65,19 @@ def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
                                        (k, "k_norm", spec.num_kv_heads)))
         qk = b.op(ops.rotary_embedding, inp.positions, q, k, cos_sin, spec.head_dim,
                   dims=spec.attention_dims, role="rope", layer=i)
+        attn_dims, attn_extra = spec.layer_attention(i)   # a sliding window, if any
         attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, inp.kv_caches[i],
-                    inp.attn_meta, spec.attention_scale, dims=spec.attention_dims,
+                    inp.attn_meta, spec.attention_scale, *attn_extra, dims=attn_dims,
                     role="attention", layer=i)
         o = b.linear(attn, f"{p}.self_attn.o_proj", role="o_proj", layer=i, bias=spec.o_bias)
         x = b.op(ops.add, o, x, dims=norm, role="attn_residual", layer=i)
         n = b.op(ops.rms_norm, x, b.weight(f"{p}.post_attention_layernorm.weight"),
                  spec.norm_eps, dims=norm, role="post_attention_norm", layer=i)
-        gate = b.linear(n, f"{p}.mlp.gate_proj", role="gate_proj", layer=i, bias=spec.mlp_bias)
-        up = b.linear(n, f"{p}.mlp.up_proj", role="up_proj", layer=i, bias=spec.mlp_bias)
-        inter = {"features": spec.intermediate_size}
-        act = b.op(ops.mul, b.op(ops.silu, gate, dims=inter, role="act", layer=i), up,
-                   dims=inter, role="act_mul", layer=i)
-        down = b.linear(act, f"{p}.mlp.down_proj", role="down_proj", layer=i, bias=spec.mlp_bias)
-        x = b.op(ops.add, down, x, dims=norm, role="mlp_residual", layer=i)
+        if spec.moe is not None and spec.moe.is_expert_layer(i):
+            mlp = expert_mlp(b, n, spec, i)
+        else:
+            mlp = dense_mlp(b, n, spec, i, f"{p}.mlp", spec.intermediate_size)
+        x = b.op(ops.add, mlp, x, dims=norm, role="mlp_residual", layer=i)
     x = b.op(ops.rms_norm, x, b.weight("model.norm.weight"), spec.norm_eps, dims=norm,
              role="final_norm")
     last = b.call(ops.select_rows, x, inp.logits_indices)

@@ -13,7 +13,19 @@ transformers' rope types:
   position p the frequencies of a sequence of p + 1 tokens, which is what transformers uses
   for every generated token (and for prompts no longer than the original length);
 - freq_factors: GGUF's `rope_freqs` tensor (llama.cpp's Llama 3.1 files), frequency i divided
-  by factor i.
+  by factor i;
+- longrope (Phi-3 / Phi-3.5 long context; "su" in old configs): frequency i divided by
+  short_factor[i] or long_factor[i], cos and sin scaled by the attention factor
+  sqrt(1 + ln(factor) / ln(original)) (factor = max_position_embeddings / original unless
+  given; 1 when factor <= 1). transformers picks the set per forward call: long when the call's
+  longest position reaches past original_max_position_embeddings, else short, and its Phi-3
+  `generate` drops the KV cache once to recompute the whole sequence with long factors when it
+  crosses that length. A per-position table cannot follow a choice that rewrites earlier
+  positions, so the table takes one set for all its rows as vLLM and llama.cpp do: long when
+  the table (the model's context) is longer than the original length, else short. Equal to
+  transformers for every sequence longer than the original length and, when the context is not,
+  for every sequence; a context past it (Phi-3-mini-128k) gives sequences no longer than the
+  original length long factors where transformers uses short ones.
 `context_length` is how many positions a scaling allows (dynamic and yarn stretch the original
 length by their factor, as vLLM does).
 """
@@ -26,7 +38,7 @@ import torch
 
 from tessellm.errors import UnsupportedModelError
 
-SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic", "freq_factors")
+SUPPORTED = ("default", "linear", "llama3", "yarn", "dynamic", "freq_factors", "longrope")
 
 
 def scaling_type(scaling: dict[str, Any]) -> str:
@@ -99,6 +111,40 @@ def _dynamic_inv_freq(theta: float, head_dim: int, positions: int,
     return _base_inv_freq(base, head_dim)
 
 
+def longrope_factors(scaling: dict[str, Any], head_dim: int) -> dict[str, list[float]]:
+    """short_factor and long_factor of a longrope scaling, checked: head_dim / 2 finite
+    positive numbers each, or an UnsupportedModelError naming the field."""
+    out = {}
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings", "factor"):
+        if scaling.get(key) is None:
+            raise UnsupportedModelError(f"rope scaling longrope needs {key!r}")
+    for key in ("short_factor", "long_factor"):
+        values = scaling[key]
+        if (not isinstance(values, (list, tuple)) or len(values) != head_dim // 2
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+                           for v in values)):
+            raise UnsupportedModelError(
+                f"rope scaling longrope: {key} must be {head_dim // 2} finite positive "
+                f"numbers (head_dim / 2), got {values!r}")
+        out[key] = [float(v) for v in values]
+    return out
+
+
+def _longrope(theta: float, head_dim: int, positions: int,
+              s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """One factor set for the whole table (see the module docstring for why): long when the
+    table is longer than the original length."""
+    factors = longrope_factors(s, head_dim)
+    orig, factor = int(s["original_max_position_embeddings"]), float(s["factor"])
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(factors["long_factor" if positions > orig else "short_factor"],
+                       dtype=torch.float32)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * theta ** exponents), float(attention)   # transformers' rounding order
+
+
 def rope_cos_sin(head_dim: int, theta: float, positions: int,
                  scaling: dict[str, Any]) -> torch.Tensor:
     """[positions, head_dim] float32: cos | sin of each position's angles."""
@@ -110,6 +156,8 @@ def rope_cos_sin(head_dim: int, theta: float, positions: int,
     else:
         if kind == "yarn":
             inv_freq, attention = _yarn(theta, head_dim, scaling)
+        elif kind == "longrope":
+            inv_freq, attention = _longrope(theta, head_dim, positions, scaling)
         else:
             inv_freq = _base_inv_freq(theta, head_dim)
             if kind == "linear":

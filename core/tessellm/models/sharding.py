@@ -10,6 +10,11 @@ From the full graph's node roles each weight gets a split:
   [r*Vp, (r+1)*Vp) of the vocabulary, Vp = ceil(V / w), padded with zero rows; the embedding
   looks up the ids it holds, zeroes the others and all-reduces, the LM head's logits are
   gathered over the ranks and cut back to V columns;
+- mixtures of experts: every rank holds every expert's slice of the expert features (the
+  gate and up rows, the down columns of each expert, like a dense MLP's) and all-reduces the
+  experts' sum; the shared expert splits like a dense MLP; the router and the shared expert's
+  gate are replicated, so every rank routes alike. Expert parallelism (whole experts per
+  rank) is not built;
 - everything else (norms, GPT-2's position table, the rope table) is replicated.
 Then the architecture's own builder builds the rank's graph from the rank's spec (heads, KV
 heads and intermediate size per rank) and weights, so every kernel dim is the shard's, and the
@@ -35,8 +40,12 @@ Weight = torch.Tensor | PackedWeight
 BuildGraph = Callable[[ModelSpec, dict[str, Any]], ModelGraph]
 
 HEAD_ROWS = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv"}   # column-parallel by head
-FEATURE_ROWS = ("gate_proj", "up_proj", "fc")                 # column-parallel by feature
-ROW_PARALLEL = {"o_proj": "q", "down_proj": "features"}       # input columns split
+FEATURE_ROWS = {"gate_proj": "features", "up_proj": "features", "fc": "features",
+                "shared_gate_proj": "shared", "shared_up_proj": "shared"}   # by feature
+ROW_PARALLEL = {"o_proj": "q", "down_proj": "features",       # input columns split
+                "shared_down_proj": "shared"}
+REPLICATED = ("router", "shared_expert_gate")                 # every rank the whole weight
+EXPERT_OPS = (ops.fused_moe, ops.fused_moe_packed)
 EMBED, LM_HEAD, POS_EMBED = "embed", "lm_head", "pos_embed"
 
 
@@ -72,8 +81,13 @@ class Shard:
         return self.rank * self.vocab_rows
 
     def local_spec(self) -> ModelSpec:
+        moe = self.spec.moe
+        if moe is not None:
+            moe = replace(moe, expert_intermediate_size=moe.expert_intermediate_size // self.world,
+                          shared_expert_intermediate_size=(
+                              moe.shared_expert_intermediate_size // self.world))
         return replace(self.spec, num_heads=self.heads, num_kv_heads=self.kv_heads,
-                       intermediate_size=self.spec.intermediate_size // self.world)
+                       intermediate_size=self.spec.intermediate_size // self.world, moe=moe)
 
 
 def check_shardable(spec: ModelSpec, world: int) -> None:
@@ -88,6 +102,12 @@ def check_shardable(spec: ModelSpec, world: int) -> None:
         problems.append(f"{kv} KV heads (neither divisible by the ranks nor dividing them)")
     if spec.intermediate_size % world:
         problems.append(f"intermediate size {spec.intermediate_size}")
+    if spec.moe is not None:
+        for name, size in (("expert intermediate size", spec.moe.expert_intermediate_size),
+                           ("shared expert intermediate size",
+                            spec.moe.shared_expert_intermediate_size)):
+            if size % world:
+                problems.append(f"{name} {size}")
     if problems:
         raise ConfigError(f"tensor_parallel_size={world} cannot split {spec.architecture}: "
                           f"{'; '.join(problems)} not divisible by {world}")
@@ -132,12 +152,35 @@ def _range(shard: Shard, unit: str) -> tuple[int, int]:
         return shard.rank * shard.heads * d, (shard.rank + 1) * shard.heads * d
     if unit == "kv":
         return shard.kv_head_start * d, (shard.kv_head_start + shard.kv_heads) * d
-    per = shard.spec.intermediate_size // shard.world
+    size = (shard.spec.moe.shared_expert_intermediate_size if unit == "shared"
+            else shard.spec.intermediate_size)
+    per = size // shard.world
     return shard.rank * per, (shard.rank + 1) * per
 
 
 def _linear_nodes(mg: ModelGraph) -> list[fx.Node]:
     return mg.op_nodes(ops.linear) + mg.op_nodes(ops.linear_packed)
+
+
+def _expert_nodes(mg: ModelGraph) -> list[fx.Node]:
+    return [n for target in EXPERT_OPS for n in mg.op_nodes(target)]
+
+
+def _expert_feature_rows(w13: Weight, shard: Shard) -> Weight:
+    """The rank's gate rows and up rows of every expert, stacked as the experts' are."""
+    moe = shard.spec.moe
+    inter, per = moe.expert_intermediate_size, moe.expert_intermediate_size // shard.world
+    first = torch.arange(shard.rank * per, (shard.rank + 1) * per)
+    index = torch.cat([torch.cat((first + e * 2 * inter, first + e * 2 * inter + inter))
+                       for e in range(moe.num_experts)])
+    if isinstance(w13, PackedWeight):
+        return w13.rows(index)
+    return w13.index_select(0, index).contiguous()
+
+
+def _expert_columns(w2: Weight, shard: Shard, name: str) -> Weight:
+    per = shard.spec.moe.expert_intermediate_size // shard.world
+    return _columns(w2, shard.rank * per, (shard.rank + 1) * per, name)
 
 
 def shard_weights(full: ModelGraph, shard: Shard) -> dict[str, Weight]:
@@ -152,7 +195,7 @@ def shard_weights(full: ModelGraph, shard: Shard) -> dict[str, Weight]:
         w_name = node.args[1].target
         b_name = node.args[2].target if node.args[2] is not None else None
         if role in HEAD_ROWS or role in FEATURE_ROWS:
-            lo, hi = _range(shard, HEAD_ROWS.get(role, "features"))
+            lo, hi = _range(shard, HEAD_ROWS.get(role) or FEATURE_ROWS[role])
             assign(w_name, lambda w, lo=lo, hi=hi: _rows(w, lo, hi))
             if b_name:
                 assign(b_name, lambda b, lo=lo, hi=hi: b[lo:hi].contiguous())
@@ -165,9 +208,15 @@ def shard_weights(full: ModelGraph, shard: Shard) -> dict[str, Weight]:
             assign(w_name, lambda w: _vocab_rows(w, shard))
             if b_name:
                 raise UnsupportedModelError("tensor parallelism: an LM head with a bias")
+        elif role in REPLICATED:
+            continue
         else:
             raise UnsupportedModelError(f"tensor parallelism: a linear with role {role!r} "
                                         "has no sharding rule")
+    for node in _expert_nodes(full):
+        assign(node.args[1].target, lambda w: _expert_feature_rows(w, shard))
+        assign(node.args[2].target, lambda w, n=node.args[2].target: _expert_columns(
+            w, shard, n))
     for node in full.op_nodes(ops.embedding) + full.op_nodes(ops.embedding_packed):
         if node.meta.get("role") == EMBED:
             assign(node.args[1].target, lambda w: _vocab_rows(w, shard))
@@ -196,6 +245,8 @@ def insert_collectives(mg: ModelGraph, shard: Shard) -> ModelGraph:
         elif role == LM_HEAD:
             _insert_after(g, node, lambda n: g.call_function(
                 ops.narrow_last, (g.call_function(ops.all_gather_last, (n,)), vocab)))
+    for node in _expert_nodes(mg):
+        _insert_after(g, node, lambda n: g.call_function(ops.all_reduce, (n,)))
     for node in mg.op_nodes(ops.embedding) + mg.op_nodes(ops.embedding_packed):
         if node.meta.get("role") != EMBED:
             continue

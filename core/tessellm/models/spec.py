@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessellm.errors import UnsupportedModelError
 from tessellm.models.rope_scaling import context_length, rope_cos_sin, scaling_type
+
+if TYPE_CHECKING:
+    from tessellm.models.moe import MoESpec
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +33,15 @@ class ModelSpec:
     qk_norm: bool = False
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    moe: "MoESpec | None" = None     # the expert layers of a mixture-of-experts model
+    # sliding-window attention: a windowed layer's query at position p sees the keys at
+    # positions > p - sliding_window (0: no window); sliding_layers are those layers (HF's
+    # "sliding_attention" layer types)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    attn_logit_softcap: float = 0.0      # scores = cap tanh(scores / cap) (0: none)
+    final_logit_softcap: float = 0.0     # logits = cap tanh(logits / cap) (0: none)
+    query_scale: float = 0.0             # the attention scale (0: 1 / sqrt(head_dim))
 
     @property
     def attention_dims(self) -> dict[str, int]:
@@ -39,7 +51,25 @@ class ModelSpec:
 
     @property
     def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return self.query_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of `layer` (0: it attends to every earlier key)."""
+        return self.sliding_window if layer in self.sliding_layers else 0
+
+    def layer_attention(self, layer: int) -> tuple[dict[str, int], tuple[Any, ...]]:
+        """(kernel-query dims, extra arguments after the scale) of `layer`'s attention node:
+        the window and soft-cap arguments and their dims where the layer has either."""
+        from tessellm.graph.ops import attention_feature_dims
+        window, cap = self.layer_window(layer), self.attn_logit_softcap
+        dims = {**self.attention_dims, **attention_feature_dims(window, cap)}
+        return dims, ((window, cap) if window or cap else ())
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer has the sliding window (Mistral v0.1): KV blocks wholly out of every
+        sequence's window can be freed."""
+        return self.sliding_window > 0 and len(self.sliding_layers) == self.num_layers
 
     def rope_cos_sin(self) -> torch.Tensor:
         """[max_position_embeddings, head_dim] float32: cos | sin of each position's angles."""
@@ -84,10 +114,8 @@ def llama_family_spec(config: dict[str, Any]) -> ModelSpec:
     theta, scaling = _rope_settings(config)
     is_qwen2, is_qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
     max_pos = context_length(int(config.get("max_position_embeddings", 2048)), dict(scaling))
-    window = config.get("sliding_window")
-    if window and (config.get("use_sliding_window", arch == "MistralForCausalLM")) and window < max_pos:
-        # Sliding-window attention is not implemented: cap the context so it never applies.
-        max_pos = int(window)
+    window, sliding = sliding_window_layers(config, arch, int(config["num_hidden_layers"]),
+                                            max_pos)
     return ModelSpec(
         architecture=arch,
         vocab_size=int(config["vocab_size"]),
@@ -106,7 +134,48 @@ def llama_family_spec(config: dict[str, Any]) -> ModelSpec:
         qk_norm=is_qwen3,
         rope_theta=theta,
         rope_scaling=scaling,
+        sliding_window=window,
+        sliding_layers=sliding,
     )
+
+
+_QWEN_WINDOW_RULE = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                     "Qwen3MoeForCausalLM")
+
+
+def sliding_window_layers(config: dict[str, Any], arch: str, num_layers: int,
+                          max_positions: int, default_types: list[str] | None = None
+                          ) -> tuple[int, tuple[int, ...]]:
+    """(window, windowed layers) as transformers 5 reads them: `layer_types` where the config
+    has them ("sliding_attention" / "full_attention"), else `default_types` (Gemma's
+    patterns), else Qwen's rule (use_sliding_window, layers from max_window_layers on), else
+    every layer when the config has a `sliding_window` that is used (Mistral by default;
+    others with use_sliding_window). A window that covers max_positions never bites: (0, ())."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types") or default_types
+    if types is not None:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention",
+                                                          "full_attention"}:
+            raise UnsupportedModelError(
+                f"{arch}: layer_types {types!r} (want {num_layers} of sliding_attention / "
+                "full_attention)")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if layers and not window:
+            raise UnsupportedModelError(f"{arch}: sliding_attention layers without a "
+                                        "sliding_window")
+    elif not window:
+        layers = ()
+    elif arch in _QWEN_WINDOW_RULE:
+        first = int(config.get("max_window_layers", 28))
+        layers = tuple(range(first, num_layers)) if config.get("use_sliding_window") else ()
+    elif config.get("use_sliding_window", arch in ("MistralForCausalLM",
+                                                   "MixtralForCausalLM")):
+        layers = tuple(range(num_layers))
+    else:
+        layers = ()
+    if not layers or int(window) >= max_positions:
+        return 0, ()
+    return int(window), layers
 
 
 def gpt2_spec(config: dict[str, Any]) -> ModelSpec:

@@ -21,6 +21,7 @@ import torch
 
 from tessellm.errors import KernelError
 from tessellm.kernels.attention_metadata import AttentionMetadata, metadata_from_tables
+from tessellm.graph.ops import attention_feature_dims
 from tessellm.kernels.examples import fill_unowned_slots, make_example
 from tessellm.kernels.registry import KernelQuery
 from tessellm.quant.formats import PACKED_FORMATS, packed_example
@@ -138,6 +139,12 @@ def _row_case(op: str, dt: torch.dtype, T: int, h: int) -> list[KernelCase]:
     if op == "silu_and_mul":
         return [_case(op, dt, T, {"features": h}, f"features={h}", build_args(
             lambda g: [_randn(g, (T, 2 * h), dt, 3.0)]))]
+    if op == "mul_scalar":   # a factor that bf16 and fp16 round
+        return [_case(op, dt, T, {"features": h}, f"features={h}", build_args(
+            lambda g: [_randn(g, (T, h), dt), math.sqrt(3072)]))]
+    if op == "logit_softcap":   # values inside and far past the cap
+        return [_case(op, dt, T, {"features": h}, f"features={h}", build_args(
+            lambda g: [_randn(g, (T, h), dt, 8.0), 5.0]))]
     raise KernelError(f"no row-wise conformance cases for op {op!r}")
 
 
@@ -219,6 +226,8 @@ class _AttnShape:
     pad_decodes: int = 0             # decode-graph padding sequences (slot -1, seq_len 1)
     pad_rows: int = 0                # static-shape padding token rows past every sequence
     pad_seqs: int = 0                # static-shape padding sequences (query_len 0, seq_len 0)
+    window: int = 0                  # sliding_window (0: none)
+    softcap: float = 0.0             # logit_softcap (0: none)
 
 
 def _attention_inputs(g: torch.Generator, s: _AttnShape, dt: torch.dtype, num_decodes: int
@@ -246,7 +255,9 @@ def _attention_inputs(g: torch.Generator, s: _AttnShape, dt: torch.dtype, num_de
     cache = _randn(g, (2, num_blocks, nkv, bs, hd), dt)
     fill_unowned_slots(cache, meta, g)
     q = _randn(g, (real_tokens + s.pad_decodes + s.pad_rows, nh * hd), dt)
-    return CaseInputs([q, cache, meta, 1.0 / math.sqrt(hd)], compare_rows=real_tokens)
+    features = [s.window, s.softcap] if s.window or s.softcap else []
+    return CaseInputs([q, cache, meta, 1.0 / math.sqrt(hd)] + features,
+                      compare_rows=real_tokens)
 
 
 # decode: one query token per sequence; seq_len 1 (a single cached token), exact and partial
@@ -268,8 +279,25 @@ _PREFILL_SHAPES = (
 )
 
 
+# sliding window (inside a block, across blocks, a one-key window) and logit soft-cap (caps
+# small enough to bite), alone and together
+_DECODE_FEATURE_SHAPES = (
+    _AttnShape((4, 2, 64), 16, (1, 1, 1), (40, 5, 17), window=7),
+    _AttnShape((8, 2, 128), 8, (1, 1), (30, 9), extra_columns=1, window=1),
+    _AttnShape((4, 4, 64), 16, (1, 1), (33, 2), softcap=2.0),
+    _AttnShape((8, 1, 64), 16, (1, 1, 1), (50, 16, 3), window=20, softcap=3.0),
+)
+_PREFILL_FEATURE_SHAPES = (
+    _AttnShape((4, 2, 64), 16, (12, 3), (12, 30), window=5),
+    _AttnShape((4, 2, 80), 8, (9,), (9,), extra_columns=1, window=1),
+    _AttnShape((4, 4, 64), 16, (7, 4), (7, 20), softcap=2.0),
+    _AttnShape((8, 2, 128), 32, (17, 2), (40, 35), window=11, softcap=3.0),
+)
+
+
 def _attention_cases(op: str, padding: Padding) -> list[KernelCase]:
     shapes = list(_DECODE_SHAPES if op == "attention_decode" else _PREFILL_SHAPES)
+    shapes += _DECODE_FEATURE_SHAPES if op == "attention_decode" else _PREFILL_FEATURE_SHAPES
     if op == "attention_decode" and padding.decode_graphs:
         shapes += [_AttnShape((4, 2, 64), 16, (1, 1), (20, 3), extra_columns=1, pad_decodes=2)]
     if op == "attention_prefill" and padding.static_shapes:   # decodes ride as prefills
@@ -288,9 +316,14 @@ def _attention_cases(op: str, padding: Padding) -> list[KernelCase]:
                 tag += f" decode-graph padding x{s.pad_decodes}"
             if s.pad_rows or s.pad_seqs:
                 tag += f" static padding rows={s.pad_rows} seqs={s.pad_seqs}"
+            if s.window:
+                tag += f" sliding_window={s.window}"
+            if s.softcap:
+                tag += f" logit_softcap={s.softcap}"
             tokens = sum(s.query_lens) + s.pad_decodes + s.pad_rows
-            out.append(_case(op, dt, tokens, {"num_heads": nh, "num_kv_heads": nkv,
-                                              "head_dim": hd}, tag,
+            dims = {"num_heads": nh, "num_kv_heads": nkv, "head_dim": hd,
+                    **attention_feature_dims(s.window, s.softcap)}
+            out.append(_case(op, dt, tokens, dims, tag,
                              lambda g, s=s, dt=dt, nd=decodes: _attention_inputs(g, s, dt, nd)))
     return out
 
@@ -328,7 +361,7 @@ def _bitmask_cases() -> list[KernelCase]:
 
 
 _ROW_OPS = ("embedding", "linear", "rms_norm", "fused_add_rms_norm", "layer_norm", "add", "mul",
-            "silu", "gelu_tanh", "silu_and_mul")
+            "silu", "gelu_tanh", "silu_and_mul", "mul_scalar", "logit_softcap")
 
 
 def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
@@ -349,6 +382,10 @@ def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
         return _greedy_cases()
     if op == "apply_token_bitmask":
         return _bitmask_cases()
+    from tessellm.kernels.moe_examples import MOE_OPS
+    if op in MOE_OPS:
+        from tessellm.testing.moe_cases import moe_cases
+        return moe_cases(op)
     raise KernelError(f"the conformance kit has no cases for op {op!r}")
 
 

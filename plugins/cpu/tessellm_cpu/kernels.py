@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable, reference
-from tessellm_cpu import attention
+from tessellm_cpu import attention, moe
 from tessellm_cpu.native_build import NativeBuildError
 from tessellm_cpu.native_team import TeamKernelC
 
@@ -87,6 +87,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
     says why, and so does `not_offered` (kernel name -> reason), which the CPU device reports
     to `tessellm plugins`. Nothing here stops the device or its other kernels."""
     from tessellm_cpu.native_attention import NativeDecode, NativePrefill
+    from tessellm_cpu.native_linear_f32 import NativeLinearF32
+    from tessellm_cpu.native_moe import NativeMoEPacked, NativeMoeRouter
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
     from tessellm_cpu.native_token_ops import (NativeEmbedding, NativeFusedAddRmsNorm,
@@ -113,8 +115,34 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
              ("greedy_tokens", "greedy_native", NativeGreedy,
               "C, AVX-512 max then first index, rows over threads"),
              ("apply_token_bitmask", "token_bitmask_native", NativeTokenBitmask,
-              "C, all-ones words skipped, AVX-512 masked stores of -inf"))
+              "C, all-ones words skipped, AVX-512 masked stores of -inf"),
+             ("linear", "linear_f32_native", NativeLinearF32,
+              "C, float32, up to 16 rows: output features over the team, 16-lane dots"),
+             ("moe_router", "moe_router_native", NativeMoeRouter,
+              "C, softmax / sigmoid and top-k per token"),
+             ("fused_moe_packed", "fused_moe_packed_native", NativeMoEPacked,
+              "C, pairs sorted by expert, each chosen expert's blocks read once in place, "
+              "one team call per layer"))
     return _built_kernels(specs, device, not_offered, recorder)
+
+
+def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None) -> Kernel:
+    """fused_moe_packed over the native packed linear, or dequantize-then-GEMM per expert
+    where the native linear cannot be built (named in `not_offered`)."""
+    from tessellm_cpu.native_linear import NativePackedLinear
+    try:
+        linear = NativePackedLinear()
+    except NativeBuildError as e:
+        if not_offered is not None:
+            not_offered["fused_moe_packed_grouped"] = str(e)
+        fn = moe.FusedMoEPacked(None, None)
+        return Kernel("fused_moe_packed", "fused_moe_packed_dequant", fn, device,
+                      supports=fn.supports, description="dequantize each chosen expert, GEMM")
+    fn = moe.FusedMoEPacked(linear, NativePackedLinear.max_tokens)
+    return Kernel("fused_moe_packed", "fused_moe_packed_grouped", fn, device,
+                  supports=fn.supports,
+                  description="tokens sorted by expert in torch; each chosen expert's linears "
+                              "by the native packed linear (dequantize-then-GEMM past 256 rows)")
 
 
 def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
@@ -166,8 +194,10 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
     """Every CPU kernel this machine can run; those it cannot are named in `not_offered`
     (kernel name -> reason) when given. `recorder`: the device's ProgramRecorder, which the
     native kernels consult to become program nodes while a decode program is recorded."""
-    def k(op: str, name: str, fn, description: str = "") -> Kernel:
-        return Kernel(op=op, name=name, fn=fn, device=device, description=description)
+    def k(op: str, name: str, fn, description: str = "", supports=None) -> Kernel:
+        extra = {} if supports is None else {"supports": supports}
+        return Kernel(op=op, name=name, fn=fn, device=device, description=description,
+                      **extra)
 
     from tessellm_cpu.native_build import prebuild
     from tessellm_cpu.native_linear import NATIVE
@@ -192,14 +222,27 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
         k("silu_and_mul", "silu_and_mul_chunk", portable.silu_and_mul),
         k("silu_and_mul", "silu_and_mul_inplace", silu_and_mul_inplace),
         k("gelu_tanh", "gelu_tanh_aten", portable.gelu_tanh),
+        k("mul_scalar", "mul_scalar_aten", portable.mul_scalar),
+        k("logit_softcap", "logit_softcap_aten", portable.logit_softcap),
         k("rotary_embedding", "rotary_neox", portable.rotary_embedding),
         k("write_kv_cache", "write_kv_index_copy", write_kv_index_copy),
-        k("attention_decode", "decode_batched_sdpa", attention.decode_batched_sdpa),
+        k("attention_decode", "decode_batched_sdpa", attention.decode_batched_sdpa,
+          supports=attention.no_softcap),
         k("attention_decode", "decode_batched_bmm", attention.decode_batched_bmm),
-        k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa),
-        k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa),
-        k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa),
+        k("attention_decode", "decode_per_seq_sdpa", attention.decode_per_seq_sdpa,
+          supports=attention.no_softcap),
+        k("attention_prefill", "prefill_per_seq_sdpa", attention.prefill_per_seq_sdpa,
+          supports=attention.no_softcap),
+        k("attention_prefill", "prefill_batched_sdpa", attention.prefill_batched_sdpa,
+          supports=attention.no_softcap),
+        k("attention_prefill", "prefill_per_seq_eager", attention.prefill_per_seq_eager,
+          "float32 matmuls per sequence; takes logit_softcap"),
         k("greedy_tokens", "greedy_torch_max", reference.greedy_tokens, "torch.max(...).indices"),
         k("apply_token_bitmask", "token_bitmask_torch", reference.apply_token_bitmask,
           "bits by AND with 32 one-bit words, masked_fill_"),
+        k("moe_router", "moe_router_torch", reference.moe_router, "softmax/sigmoid, topk"),
+        k("fused_moe", "fused_moe_grouped", moe.fused_moe_grouped,
+          "tokens sorted by expert, one GEMM pair per chosen expert"),
+        moe_packed_kernel(device, not_offered),
+        k("sigmoid_gate", "sigmoid_gate_torch", reference.sigmoid_gate),
     ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered)

@@ -3,10 +3,12 @@
 any cached context).
 
 Both read K/V in place through the block tables: no gather copy, no padding, float32 math.
-They support float32 and bfloat16 caches on the CPU. The C side checks every index it reads
-with (sequence lengths against the table width, block ids against the pool, heads against KV
-heads, the prefill's query offsets against the rows of q and the sequence lengths) and returns
-a code per problem, raised here as a ValueError naming it.
+They support float32 and bfloat16 caches on the CPU, and the reference's sliding_window and
+logit_softcap (a window's first block is read from its first key on; tanhf per score).
+The C side checks every index it reads with (sequence lengths against the table width, block
+ids against the pool, heads against KV heads, the prefill's query offsets against the rows of
+q and the sequence lengths) and returns a code per problem, raised here as a ValueError naming
+it.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class DecodeArgs(ctypes.Structure):
     _fields_ = [("q", _ptr), ("kv", _ptr), ("block_tables", _ptr), ("bt_stride", _i64),
                 ("bt_cols", _i64), ("seq_lens", _ptr), ("out", _ptr), ("B", _i64), ("H", _i64),
                 ("NKV", _i64), ("D", _i64), ("BS", _i64), ("NB", _i64), ("scale", _f32),
-                ("threads", ctypes.c_int), ("info", _ptr), ("scratch", _ptr)]
+                ("threads", ctypes.c_int), ("info", _ptr), ("scratch", _ptr),
+                ("window", _i64), ("softcap", _f32)]
 
 
 class PrefillArgs(ctypes.Structure):
@@ -39,7 +42,7 @@ class PrefillArgs(ctypes.Structure):
                 ("bt_cols", _i64), ("seq_lens", _ptr), ("query_start_loc", _ptr), ("out", _ptr),
                 ("B", _i64), ("NT", _i64), ("H", _i64), ("NKV", _i64), ("D", _i64),
                 ("BS", _i64), ("NB", _i64), ("scale", _f32), ("threads", ctypes.c_int),
-                ("info", _ptr), ("scratch", _ptr)]
+                ("info", _ptr), ("scratch", _ptr), ("window", _i64), ("softcap", _f32)]
 
 
 class _PagedAttention(TeamKernelC):
@@ -118,7 +121,8 @@ class _PagedAttention(TeamKernelC):
     def _launch_attention(self, entry: TeamEntry, b: Any, q: torch.Tensor,
                           kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
                           sizes: tuple[int, int, int, int], scale: float,
-                          starts: torch.Tensor | None = None) -> torch.Tensor:
+                          starts: torch.Tensor | None = None, sliding_window: int = 0,
+                          logit_softcap: float = 0.0) -> torch.Tensor:
         """Run (or record) the entry into a new tensor like q (`starts`: the prefill's query
         offsets); a nonzero return code raises the error it names."""
         num_blocks, num_kv_heads, block_size, head_dim = sizes
@@ -130,10 +134,12 @@ class _PagedAttention(TeamKernelC):
         sizes_ = (num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale)
         if starts is None:
             args = DecodeArgs(*common, out.data_ptr(), seq_lens.shape[0], *sizes_, 0,
-                              ctypes.addressof(info), 0)
+                              ctypes.addressof(info), 0, max(0, int(sliding_window)),
+                              max(0.0, float(logit_softcap)))
         else:
             args = PrefillArgs(*common, starts.data_ptr(), out.data_ptr(), seq_lens.shape[0],
-                               q.shape[0], *sizes_, 0, ctypes.addressof(info), 0)
+                               q.shape[0], *sizes_, 0, ctypes.addressof(info), 0,
+                               max(0, int(sliding_window)), max(0.0, float(logit_softcap)))
         if b is not None:
             args.threads = b.threads
             args.scratch = b.scratch(int(self._scratch(ctypes.byref(args))))
@@ -163,12 +169,14 @@ class NativeDecode(_PagedAttention):
     kind, args_type = "decode", DecodeArgs
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int = 0,
+                 logit_softcap: float = 0.0) -> torch.Tensor:
         entry, q, tables, seq_lens, sizes, b = self._checked(q, kv_cache, meta)
         if q.shape[0] != seq_lens.shape[0]:
             raise ValueError(f"native decode needs q of [{seq_lens.shape[0]}, heads * "
                              f"{sizes[3]}] (one token per sequence), got {tuple(q.shape)}")
-        return self._launch_attention(entry, b, q, kv_cache, tables, seq_lens, sizes, scale)
+        return self._launch_attention(entry, b, q, kv_cache, tables, seq_lens, sizes, scale,
+                                      None, sliding_window, logit_softcap)
 
 
 class NativePrefill(_PagedAttention):
@@ -178,7 +186,8 @@ class NativePrefill(_PagedAttention):
     kind, args_type = "prefill", PrefillArgs
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float) -> torch.Tensor:
+                 scale: float, sliding_window: int = 0,
+                 logit_softcap: float = 0.0) -> torch.Tensor:
         entry, q, tables, seq_lens, sizes, b = self._checked(q, kv_cache, meta)
         starts = meta.query_start_loc
         if starts.dtype is not torch.int32 or not starts.is_contiguous():
@@ -190,7 +199,7 @@ class NativePrefill(_PagedAttention):
             raise ValueError(f"native prefill needs {seq_lens.shape[0] + 1} query offsets on "
                              f"the CPU, got {starts.numel()}")
         return self._launch_attention(entry, b, q, kv_cache, tables, seq_lens, sizes, scale,
-                                      starts)
+                                      starts, sliding_window, logit_softcap)
 
 
 def _raise(kind: str, rc: int, seq: int, col: int, seq_lens: torch.Tensor,

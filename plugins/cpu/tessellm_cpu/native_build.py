@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import signal
 import stat
@@ -139,9 +140,12 @@ def library_key(source: Path, cc: str | None = None) -> str:
                                f"{VERSION_TIMEOUT_S:g} s") from e
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeBuildError(f"cannot run the C compiler {cc!r}: {e}") from e
-    try:   # the source and the headers beside it (a source may include any of them)
-        text = "\n".join([source.read_text()] + [h.read_text()
-                                                 for h in sorted(source.parent.glob("*.h"))])
+    try:   # the source, the headers beside it (a source may include any of them) and the
+        # sources it includes whole (`#include "linear_packed.c"`)
+        own = source.read_text()
+        whole = sorted(set(re.findall(r'^#include "([\w.]+\.c)"', own, re.MULTILINE)))
+        text = "\n".join([own] + [(source.parent / c).read_text() for c in whole]
+                         + [h.read_text() for h in sorted(source.parent.glob("*.h"))])
     except OSError as e:
         raise NativeBuildError(f"cannot read the kernel source {source}: {e}") from e
     data = "\n".join([text, " ".join(FLAGS), version, _cpu_flags()]).encode()

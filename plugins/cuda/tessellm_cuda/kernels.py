@@ -7,7 +7,7 @@ from tessellm_cuda.torch_ops import TORCH_ALTERNATIVES, TORCH_ONLY
 
 
 def triton_kernel_list(device: str) -> list[Kernel]:
-    from tessellm_cuda.triton_ops import (activations, attention, kv_cache, norms,
+    from tessellm_cuda.triton_ops import (activations, attention, kv_cache, moe, norms,
                                           packed_linear, rotary, sampling, token_bitmask)
     supports = getattr(attention, "supports", None)
     extra = {"supports": supports} if supports is not None else {}
@@ -32,6 +32,11 @@ def triton_kernel_list(device: str) -> list[Kernel]:
                supports=lambda q: packed_linear.supports_qtype(q.dim("qtype")),
                description="Triton, GGUF blocks and K-quant super-blocks dequantized in "
                            "registers; a GEMV up to 8 rows, tl.dot tiles past"),
+        Kernel("fused_moe", "fused_moe_triton", moe.fused_moe, device,
+               supports=lambda q: moe.supports_dtype(q.dtype),
+               description="Triton, pairs sorted by expert into padded blocks on the device; "
+                           "grouped GEMMs gate_up (+ silu * up) and down (x routing weight), "
+                           "a float32 sum over each token's top_k"),
         Kernel("apply_token_bitmask", "token_bitmask_triton", token_bitmask.apply_token_bitmask,
                device, description="Triton, one program per (row, 1024 tokens), bits by "
                                    "shifts"),

@@ -22,6 +22,12 @@ TORCH_ONLY = {
     "mul": [("mul_torch", torch.mul, "")],
     "silu": [("silu_torch", F.silu, "")],
     "gelu_tanh": [("gelu_tanh_torch", portable.gelu_tanh, "")],
+    "moe_router": [("moe_router_torch", portable.moe_router, "softmax/sigmoid, topk")],
+    "fused_moe_packed": [("fused_moe_packed_dense", portable.fused_moe_packed_dense,
+                          "experts dequantized, then every expert on every token")],
+    "sigmoid_gate": [("sigmoid_gate_torch", portable.sigmoid_gate, "")],
+    "mul_scalar": [("mul_scalar_torch", portable.mul_scalar, "")],
+    "logit_softcap": [("logit_softcap_torch", portable.logit_softcap, "")],
 }
 
 # torch alternatives to Triton kernels, ranked against them on a GPU (not offered by the
@@ -36,4 +42,6 @@ TORCH_ALTERNATIVES = {
                        "the torch reference (sort, cumsum, softmax, argmax)")],
     "apply_token_bitmask": [("token_bitmask_torch", portable.apply_token_bitmask,
                              "bits by AND with 32 one-bit words, masked_fill_")],
+    "fused_moe": [("fused_moe_dense", portable.fused_moe_dense,
+                   "every expert on every token (no host sync: CUDA-graph safe)")],
 }

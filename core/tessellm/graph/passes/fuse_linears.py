@@ -1,6 +1,7 @@
 """Fuse sibling linears (same input, one per role) into one linear over concatenated weights.
 
-q/k/v -> one qkv linear; gate/up -> one gate_up linear. The fused output is split back with
+q/k/v -> one qkv linear; gate/up (a dense MLP's, or a MoE shared expert's) -> one gate_up
+linear. The fused output is split back with
 `split_last`, so consumers are unchanged. Weights are concatenated once here (at load time) and
 the originals become dead (dead-code removal drops them). Applies only where every sibling is
 present, reads the same input, agrees on bias and has weights of one dtype or packed format
@@ -75,4 +76,6 @@ def fuse_qkv(mg: ModelGraph) -> ModelGraph:
 
 
 def fuse_gate_up(mg: ModelGraph) -> ModelGraph:
-    return _fuse_siblings(mg, ("gate_proj", "up_proj"), "gate_up_proj")
+    """Every dense MLP's gate and up, a MoE layer's shared expert's included."""
+    _fuse_siblings(mg, ("gate_proj", "up_proj"), "gate_up_proj")
+    return _fuse_siblings(mg, ("shared_gate_proj", "shared_up_proj"), "shared_gate_up_proj")

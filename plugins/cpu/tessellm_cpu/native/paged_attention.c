@@ -16,6 +16,9 @@
  * threads is allocated before the OpenMP region, so a failed allocation returns PD_ERR_ALLOC
  * without ever leaving a parallel region early.
  * Grouped-query attention: query head h reads KV head h / (H / NKV).
+ * Sliding window (window > 0): a query at position p reads only the keys p - window + 1 .. p
+ * (an item's range then starts inside a block); soft-cap (softcap > 0): each score s becomes
+ * softcap * tanh(s / softcap) before the softmax, as the reference op does.
  * Math in float32 (scores, softmax, accumulation), like the reference op; bfloat16 output is
  * rounded to nearest even.
  *
@@ -137,6 +140,8 @@ typedef struct {
     int threads;
     int64_t *info;
     void *scratch;
+    int64_t window;   /* sliding window in keys, 0: none */
+    float softcap;    /* logit soft-cap, 0: none */
 } DecodeArgs;
 
 /* Scratch, in caller memory: the claim counter (a cache line), per thread scores [G * BS] and
@@ -203,8 +208,8 @@ int64_t paged_decode_scratch(const DecodeArgs *a) {
  * its G query heads: m[g] the max score so far, l[g] the sum of exp(score - m[g]), acc[g * D]  \
  * the sum of exp(score - m[g]) v. */                                                          \
 INLINE void NAME##_fold(const T *q, const float *qf, const T *k, const T *v, int64_t rows,    \
-                        int64_t G, int64_t D, float scale, float *scores, float *m, float *l,   \
-                        float *acc) {                                                          \
+                        int64_t G, int64_t D, float scale, float softcap, float *scores,        \
+                        float *m, float *l, float *acc) {                                      \
     const int vec = VEC_QK && D % 16 == 0;                                                     \
     if (DP_BF16 && sizeof(T) == 2 && D % 32 == 0)   /* bfloat16 dot products */              \
         scores_dpbf16((const uint16_t *)q, scale, (const uint16_t *)k, rows, G, D, scores);    \
@@ -220,6 +225,10 @@ INLINE void NAME##_fold(const T *q, const float *qf, const T *k, const T *v, int
                 for (int64_t d = 0; d < D; ++d) s += qg[d] * LOAD(kr[d]);                      \
                 scores[g * rows + r] = s;                                                      \
             }                                                                                  \
+    if (softcap > 0.f) {   /* Gemma 2's soft-cap, before the max and the exp */               \
+        const float inv_cap = 1.f / softcap;                                                   \
+        for (int64_t i = 0; i < G * rows; ++i) scores[i] = softcap * tanhf(scores[i] * inv_cap); \
+    }                                                                                          \
     for (int64_t g = 0; g < G; ++g) {                                                          \
         float *sg = scores + g * rows, *ag = acc + g * D, mx = sg[0];                          \
         if (VEC_QK) mx = max_of(sg, rows);                                                     \
@@ -255,13 +264,15 @@ INLINE void NAME##_fold(const T *q, const float *qf, const T *k, const T *v, int
  * pf_next: the block to prefetch after this item's last (-1: none), pf_next_rows its rows. */ \
 INLINE void NAME##_item(const T *q, const T *kv, const T *vbase, const int32_t *table,         \
                        int64_t t0, int64_t t1, int64_t H, int64_t NKV, int64_t D, int64_t BS,  \
-                       float scale, int64_t pf_next, int64_t pf_next_rows, float *scores,      \
-                       float *qf, float *part0, size_t kvh_stride) {                           \
+                       float scale, float softcap, int64_t pf_next, int64_t pf_next_rows,      \
+                       float *scores, float *qf, float *part0, size_t kvh_stride) {            \
     const int64_t G = H / NKV, head_stride = BS * D, block_stride = NKV * head_stride;         \
     if (!(DP_BF16 && sizeof(T) == 2 && D % 32 == 0))                                           \
         for (int64_t i = 0; i < H * D; ++i) qf[i] = LOAD(q[i]) * scale;                        \
     for (int64_t j = t0 / BS; j * BS < t1; ++j) {                                              \
-        const int64_t rows = t1 - j * BS < BS ? t1 - j * BS : BS;                              \
+        /* rows r0 .. end - 1 of block j: a window's first block starts inside it */           \
+        const int64_t r0 = t0 > j * BS ? t0 - j * BS : 0;                                      \
+        const int64_t rows = (t1 - j * BS < BS ? t1 - j * BS : BS) - r0;                       \
         const int64_t blk = table[j];                                                          \
         const int last = (j + 1) * BS >= t1;                                                   \
         const int64_t pf = last ? pf_next : table[j + 1];                                      \
@@ -275,26 +286,27 @@ INLINE void NAME##_item(const T *q, const T *kv, const T *vbase, const int32_t *
                                   pf_rows * D * (int64_t)sizeof(T));                           \
             }                                                                                  \
             float *part = part0 + (size_t)kvh * kvh_stride;                                    \
-            NAME##_fold(q + kvh * G * D, qf + kvh * G * D, kv + blk * block_stride + off,       \
-                        vbase + blk * block_stride + off, rows, G, D, scale, scores, part,      \
-                        part + G, part + 2 * G);                                               \
+            NAME##_fold(q + kvh * G * D, qf + kvh * G * D,                                     \
+                        kv + blk * block_stride + off + r0 * D,                                \
+                        vbase + blk * block_stride + off + r0 * D, rows, G, D, scale, softcap,  \
+                        scores, part, part + G, part + 2 * G);                                 \
         }                                                                                      \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
 INLINE void NAME##_item_d(const T *q, const T *kv, const T *vbase, const int32_t *table,       \
                          int64_t t0, int64_t t1, int64_t H, int64_t NKV, int64_t D, int64_t BS, \
-                         float scale, int64_t pf_next, int64_t pf_next_rows, float *scores,    \
-                         float *qf, float *part0, size_t kvh_stride) {                         \
+                         float scale, float softcap, int64_t pf_next, int64_t pf_next_rows,    \
+                         float *scores, float *qf, float *part0, size_t kvh_stride) {          \
     if (D == 64)                                                                               \
-        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, 64, BS, scale, pf_next, pf_next_rows, \
-                   scores, qf, part0, kvh_stride);                                             \
+        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, 64, BS, scale, softcap, pf_next,      \
+                   pf_next_rows, scores, qf, part0, kvh_stride);                               \
     else if (D == 128)                                                                         \
-        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, 128, BS, scale, pf_next, pf_next_rows, \
-                   scores, qf, part0, kvh_stride);                                             \
+        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, 128, BS, scale, softcap, pf_next,     \
+                   pf_next_rows, scores, qf, part0, kvh_stride);                               \
     else                                                                                       \
-        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, D, BS, scale, pf_next, pf_next_rows,  \
-                   scores, qf, part0, kvh_stride);                                             \
+        NAME##_item(q, kv, vbase, table, t0, t1, H, NKV, D, BS, scale, softcap, pf_next,       \
+                   pf_next_rows, scores, qf, part0, kvh_stride);                               \
 }                                                                                              \
                                                                                                \
 int NAME##_team(const DecodeArgs *a) {                                                        \
@@ -311,9 +323,11 @@ int NAME##_team(const DecodeArgs *a) {                                          
     const int64_t G = H / NKV, pairs = B * NKV;                                                \
     const T *q = a->q, *kv = a->kv;                                                            \
     T *out = a->out;                                                                           \
-    const float scale = a->scale;                                                              \
+    const float scale = a->scale, softcap = a->softcap;                                        \
+    const int64_t window = a->window > 0 ? a->window : 0;                                      \
     const T *vbase = kv + NB * NKV * BS * D;                                                   \
-    const Split sp = plan_split(B, max_len, BS, nt);                                           \
+    /* a windowed sequence's items cover its last `window` keys, from key L - window on */     \
+    const Split sp = plan_split(B, window && max_len > window ? window : max_len, BS, nt);     \
     const int64_t items = B * sp.chunks;                                                       \
     DecodeScratch sc = decode_scratch(G, BS, H, D, a->threads, a->scratch);                    \
     const size_t per_thread = sc.scores_n + sc.qf_n, per_part = partial_floats(G, D);          \
@@ -326,7 +340,8 @@ int NAME##_team(const DecodeArgs *a) {                                          
         while (item < items) {                                                                 \
             const int64_t following = __atomic_fetch_add(sc.next_item, 1, __ATOMIC_RELAXED);   \
             const int64_t b = item / sp.chunks, c = item % sp.chunks, L = seq_lens[b];         \
-            const int64_t t0 = c * sp.chunk_blocks * BS;                                       \
+            const int64_t lo = window && L > window ? L - window : 0;                          \
+            const int64_t t0 = lo + c * sp.chunk_blocks * BS;                                  \
             const int64_t t1 = t0 + sp.chunk_blocks * BS < L ? t0 + sp.chunk_blocks * BS : L;  \
             float *part0 = sc.parts + (size_t)(b * NKV * sp.chunks + c) * per_part;            \
             const size_t kvh_stride = (size_t)sp.chunks * per_part;                            \
@@ -338,7 +353,9 @@ int NAME##_team(const DecodeArgs *a) {                                          
             int64_t pf_next = -1, pf_next_rows = 0;                                            \
             if (following < items) {                                                           \
                 const int64_t b2 = following / sp.chunks, c2 = following % sp.chunks;         \
-                const int64_t s0 = c2 * sp.chunk_blocks * BS, L2 = seq_lens[b2];               \
+                const int64_t L2 = seq_lens[b2];                                               \
+                const int64_t s0 = (window && L2 > window ? L2 - window : 0)                   \
+                                   + c2 * sp.chunk_blocks * BS;                                \
                 if (s0 < L2) {                                                                 \
                     pf_next = block_tables[b2 * bt_stride + s0 / BS];                          \
                     pf_next_rows = L2 - s0 < BS ? L2 - s0 : BS;                                \
@@ -346,8 +363,8 @@ int NAME##_team(const DecodeArgs *a) {                                          
             }                                                                                  \
             if (t0 < t1)                                                                       \
                 NAME##_item_d(q + b * H * D, kv, vbase, block_tables + b * bt_stride, t0, t1,   \
-                             H, NKV, D, BS, scale, pf_next, pf_next_rows, scores, qf, part0,   \
-                             kvh_stride);                                                      \
+                             H, NKV, D, BS, scale, softcap, pf_next, pf_next_rows, scores, qf, \
+                             part0, kvh_stride);                                               \
             item = following;                                                                  \
         }                                                                                      \
         _Pragma("omp barrier")   /* every partial is written */                                \
@@ -432,6 +449,8 @@ typedef struct {
     int threads;
     int64_t *info;
     void *scratch;
+    int64_t window;   /* sliding window in keys, 0: none */
+    float softcap;    /* logit soft-cap, 0: none */
 } PrefillArgs;
 
 /* Scratch: the decode's per-thread part, each thread's partials of its token (NKV of them),
@@ -487,8 +506,10 @@ int NAME##_team(const PrefillArgs *a) {                                         
                 for (int64_t g = 0; g < G; ++g) part[g] = -INFINITY;                           \
                 memset(part + G, 0, sizeof(float) * (size_t)(G * (D + 1)));                    \
             }                                                                                  \
-            DEC##_item_d(q + t * H * D, kv, vbase, block_tables + b * a->bt_stride, 0, pos + 1, \
-                        H, NKV, D, BS, a->scale, -1, 0, scores, qf, part0, per_part);           \
+            const int64_t lo = a->window > 0 && pos + 1 > a->window ? pos + 1 - a->window : 0;  \
+            DEC##_item_d(q + t * H * D, kv, vbase, block_tables + b * a->bt_stride, lo, pos + 1, \
+                        H, NKV, D, BS, a->scale, a->softcap, -1, 0, scores, qf, part0,          \
+                        per_part);                                                             \
             for (int64_t kvh = 0; kvh < NKV; ++kvh) {                                          \
                 const float *part = part0 + (size_t)kvh * per_part;                            \
                 for (int64_t g = 0; g < G; ++g) {                                              \

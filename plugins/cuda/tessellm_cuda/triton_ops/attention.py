@@ -17,6 +17,11 @@ GPU first (bound: 4x the error of torch's reference in the same 16-bit dtype). e
 approximate on a GPU (ex2.approx), a few float32 ulps.
 Every tile is padded to a power of two (tl.arange) and to >= 16 (tl.dot) and masked, so any
 block_size >= 1 and head_dim <= 256 work.
+Both take the reference's sliding_window (the decode reads only the window's keys; the
+prefill starts at its first row's first visible key and masks per row) and logit_softcap
+(cap * tanh(s / cap) on the float32 scores, tanh from exp2; the launch then passes the bare
+scale and log2(e) is applied after the cap); both are constexpr switches, so the plain
+kernels compile as before.
 """
 from __future__ import annotations
 
@@ -89,18 +94,37 @@ def _kv_tile(kv_head_ptr, bt_row_ptr, pos, valid, offs_d, d_mask, block_size,
 
 
 @triton.jit
-def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
-    """One online-softmax step (base-2, scores pre-scaled by log2(e)) over a K/V tile; rows of
-    q whose every score so far is masked must not occur (each caller's first tile holds a
-    valid key for every row)."""
+def _tanh(x):
+    """tanh from exp2 (the interpreter and every target have it): sign(x) (1 - t) / (1 + t)
+    with t = exp(-2|x|) <= 1, so nothing overflows."""
+    t = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap, FP32_DOT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, GUARD: tl.constexpr):
+    """One online-softmax step (base-2, scores pre-scaled by log2(e)) over a K/V tile. Without
+    GUARD, rows of q whose every score so far is masked must not occur (each caller's first
+    tile holds a valid key for every row); GUARD (a window's prefill rows) allows them. With
+    SOFTCAP, qk_scale is the bare scale: s = cap tanh(s scale / cap), then times log2(e)."""
     if FP32_DOT:
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(s_mask, s * qk_scale, float("-inf"))
+    if SOFTCAP:
+        s = softcap * _tanh(s * qk_scale / softcap) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if GUARD:   # a row with nothing visible yet: keep its sums at 0 (no -inf - -inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP32_DOT:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -113,10 +137,10 @@ def _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexp
 @triton.jit
 def _decode_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
                    stride_qt, stride_qd, stride_kv, stride_kb, stride_kh, stride_ks, stride_kd,
-                   stride_bt, stride_ot, qk_scale, block_size,
+                   stride_bt, stride_ot, qk_scale, block_size, window, softcap,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   FP32_DOT: tl.constexpr):
+                   FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (seq, kv_head, split): the GROUP query heads of kv_head over split `split` of
     the sequence's context, whose length is read on the device. With NUM_SPLITS == 1 it writes
     the output; otherwise the split's (max, sum) in base 2 and unnormalized accumulator."""
@@ -138,12 +162,16 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ml_ptr, pa
     if FP32_DOT:
         q = q.to(tl.float32)
 
+    if WINDOW:   # the window's keys: seq_len - window .. seq_len - 1
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = 0
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = first
         hi = seq_len
     else:
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * split_len
+        split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = first + split * split_len
         hi = tl.minimum(lo + split_len, seq_len)
 
     kv_head_ptr = kv_ptr + kvh.to(tl.int64) * stride_kh
@@ -157,7 +185,7 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ml_ptr, pa
         k, v = _kv_tile(kv_head_ptr, bt_row_ptr, pos, valid, offs_d, d_mask, block_size,
                         stride_kv, stride_kb, stride_ks, stride_kd)
         m_i, l_i, acc = _attend_tile(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
-                                     FP32_DOT)
+                                     softcap, FP32_DOT, SOFTCAP, False)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -198,9 +226,10 @@ def _decode_reduce_kernel(part_ml_ptr, part_acc_ptr, out_ptr, stride_ot,
 @triton.jit
 def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
                     stride_qt, stride_qd, stride_kv, stride_kb, stride_kh, stride_ks, stride_kd,
-                    stride_bt, stride_ot, qk_scale, block_size,
+                    stride_bt, stride_ot, qk_scale, block_size, window, softcap,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     """Program (m_block, seq, head): query rows m_block*BLOCK_M.. of sequence `seq` (at
     positions seq_len - query_len + row) for one head, causal over the paged K/V. Blocks past
     the sequence's query_len (the grid covers the batch's longest) exit at once."""
@@ -233,13 +262,20 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     hi = tl.minimum(seq_len, ctx_len + (mb + 1) * BLOCK_M)  # last key of the block's rows + 1
-    for start in range(0, hi, BLOCK_N):
+    if WINDOW:   # from the block's first row's first visible key
+        lo = tl.maximum(ctx_len + mb * BLOCK_M - window + 1, 0)
+    else:
+        lo = 0
+    for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
         k, v = _kv_tile(kv_head_ptr, bt_row_ptr, pos, valid, offs_d, d_mask, block_size,
                         stride_kv, stride_kb, stride_ks, stride_kd)
         s_mask = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        m_i, l_i, acc = _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, FP32_DOT)
+        if WINDOW:
+            s_mask = s_mask & (pos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = _attend_tile(q, k, v, s_mask, m_i, l_i, acc, qk_scale, softcap,
+                                     FP32_DOT, SOFTCAP, WINDOW)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * HEAD_DIM + offs_d[None, :],
@@ -257,9 +293,17 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int) -> in
     return splits
 
 
+def _features(scale: float, sliding_window: int, logit_softcap: float
+              ) -> tuple[float, int, float, bool, bool]:
+    """(qk_scale, window, softcap, WINDOW, SOFTCAP) of a launch (see _attend_tile)."""
+    window, softcap = max(0, int(sliding_window)), max(0.0, float(logit_softcap))
+    qk_scale = scale if softcap > 0 else scale * _LOG2E
+    return qk_scale, window, softcap, window > 0, softcap > 0
+
+
 def decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, num_splits: int | None = None
-                    ) -> tuple[torch.Tensor, list[Launch]]:
+                    scale: float, num_splits: int | None = None, sliding_window: int = 0,
+                    logit_softcap: float = 0.0) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launches of paged_attention_decode, not run; num_splits a
     power of two (None: the shape heuristic)."""
     if meta.num_prefills:
@@ -286,13 +330,16 @@ def decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                                device=q.device)
     else:
         part_ml = part_acc = out  # unused
+    qk_scale, window, softcap, has_window, has_softcap = _features(scale, sliding_window,
+                                                                   logit_softcap)
     launches = [Launch(
         _decode_kernel, (num_seqs, num_kv_heads, num_splits),
         (q, kv_cache, bt, meta.seq_lens, out, part_ml, part_acc,
          q.stride(0), q.stride(1), *kv_cache.stride(),
-         bt.stride(0), out.stride(0), scale * _LOG2E, block_size),
+         bt.stride(0), out.stride(0), qk_scale, block_size, window, softcap),
         dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
-             BLOCK_N=block_n, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot, num_warps=4))]
+             BLOCK_N=block_n, NUM_SPLITS=num_splits, FP32_DOT=fp32_dot, WINDOW=has_window,
+             SOFTCAP=has_softcap, num_warps=4))]
     if num_splits > 1:
         launches.append(Launch(
             _decode_reduce_kernel, (num_seqs, num_heads),
@@ -302,22 +349,27 @@ def decode_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
 
 def _paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float, num_splits: int | None = None) -> torch.Tensor:
+                            scale: float, num_splits: int | None = None,
+                            sliding_window: int = 0, logit_softcap: float = 0.0
+                            ) -> torch.Tensor:
     """paged_attention_decode with an explicit split count (a power of two; None: the
     shape heuristic)."""
-    out, launches = decode_launches(q, kv_cache, meta, scale, num_splits)
+    out, launches = decode_launches(q, kv_cache, meta, scale, num_splits, sliding_window,
+                                    logit_softcap)
     run_all(launches)
     return out
 
 
 def paged_attention_decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float) -> torch.Tensor:
+                           scale: float, sliding_window: int = 0,
+                           logit_softcap: float = 0.0) -> torch.Tensor:
     """Decode attention: row i of q is sequence i's single query token (meta.num_prefills ==
     0). Lengths are read on the device (meta.seq_lens) and the grid depends only on the
     shapes of q, kv_cache and meta.block_tables, so the launch is CUDA-graph safe; host-side
     lengths are not used. Grid (seq, kv_head, split), each program covering all query heads
     of its kv head; a reduction kernel merges the splits when there are several."""
-    return _paged_attention_decode(q, kv_cache, meta, scale)
+    return _paged_attention_decode(q, kv_cache, meta, scale, None, sliding_window,
+                                   logit_softcap)
 
 
 def prefill_tiles(head_dim: int, dtype: torch.dtype, max_query_len: int
@@ -338,7 +390,8 @@ def prefill_tiles(head_dim: int, dtype: torch.dtype, max_query_len: int
 
 
 def prefill_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> tuple[torch.Tensor, list[Launch]]:
+                     scale: float, sliding_window: int = 0, logit_softcap: float = 0.0
+                     ) -> tuple[torch.Tensor, list[Launch]]:
     """The output tensor and the launch of paged_attention_prefill, not run."""
     if meta.num_decodes:
         raise ValueError("paged_attention_prefill got decode sequences (use prefill_part())")
@@ -352,22 +405,26 @@ def prefill_launches(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     block_m, block_n, block_d = prefill_tiles(head_dim, q.dtype, meta.max_query_len)
     fp32_dot = _interpreting() or q.dtype == torch.float32
     grid = (triton.cdiv(meta.max_query_len, block_m), num_seqs, num_heads)
+    qk_scale, window, softcap, has_window, has_softcap = _features(scale, sliding_window,
+                                                                   logit_softcap)
     return out, [Launch(
         _prefill_kernel, grid,
         (q, kv_cache, bt, meta.seq_lens, meta.query_start_loc, out,
          q.stride(0), q.stride(1), *kv_cache.stride(),
-         bt.stride(0), out.stride(0), scale * _LOG2E, block_size),
+         bt.stride(0), out.stride(0), qk_scale, block_size, window, softcap),
         dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d,
-             BLOCK_N=block_n, FP32_DOT=fp32_dot, num_warps=4,
+             BLOCK_N=block_n, FP32_DOT=fp32_dot, WINDOW=has_window, SOFTCAP=has_softcap,
+             num_warps=4,
              num_stages=2 if block_d > 128 else 3))]
 
 
 def paged_attention_prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float) -> torch.Tensor:
+                            scale: float, sliding_window: int = 0,
+                            logit_softcap: float = 0.0) -> torch.Tensor:
     """Varlen causal prefill (meta.num_decodes == 0): sequence i's query rows are
     q[query_start_loc[i]:query_start_loc[i+1]] at its last query_len positions, attending to
     every cached position up to their own. The grid's m-block count comes from the host's
     meta.max_query_len; lengths and offsets are read on the device."""
-    out, launches = prefill_launches(q, kv_cache, meta, scale)
+    out, launches = prefill_launches(q, kv_cache, meta, scale, sliding_window, logit_softcap)
     run_all(launches)
     return out

@@ -22,7 +22,7 @@ from tessellm_hostchip.stream import CopyWorker, ThreadStream
 CAPACITY_BYTES = 2 << 30
 
 # op -> the function that runs it on this device, with the op's reference signature. These are
-# the ops of the Llama and GPT-2 graphs; ops a device lacks are either avoided (a fusion whose
+# the ops of the built-in graphs (Llama, GPT-2, Gemma, mixtures of experts); ops a device lacks are either avoided (a fusion whose
 # fused op has no kernel is not applied) or, for sample_tokens, run as the reference.
 KERNELS = {
     "embedding": reference.embedding,
@@ -31,6 +31,8 @@ KERNELS = {
     "mul": reference.mul,
     "silu": reference.silu,
     "gelu_tanh": portable.gelu_tanh,
+    "mul_scalar": portable.mul_scalar,
+    "logit_softcap": portable.logit_softcap,
     "layer_norm": portable.layer_norm,
     "rms_norm": portable.rms_norm,
     "fused_add_rms_norm": portable.fused_add_rms_norm,
@@ -39,6 +41,9 @@ KERNELS = {
     "write_kv_cache": portable.write_kv_cache,
     "attention_prefill": portable.paged_attention_static,
     "attention_decode": portable.paged_attention_static,
+    "moe_router": portable.moe_router,
+    "fused_moe": portable.fused_moe_dense,
+    "sigmoid_gate": portable.sigmoid_gate,
 }
 
 
