@@ -328,7 +328,8 @@ def test_stories260k_reference_greedy(cache_dir: Path) -> None:
 # --------------------------------------------------------------------------- batching
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "mistral_window", "gemma2", "gemma3", "mixtral",
+                                  "qwen2_moe", "qwen3_moe"])
 def test_continuous_batching_with_preemption_matches_alone(
         name: str, models: dict[str, Built], tmp_path_factory: pytest.TempPathFactory,
         cache_dir: Path) -> None:

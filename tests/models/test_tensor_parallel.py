@@ -74,7 +74,8 @@ def test_stories260k_two_ranks_equal_one_and_the_reference(cache):
     assert prompt + out.token_ids == ref["token_ids"][:45]
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "gpt2", "phi3", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "gpt2", "phi3", "mixtral", "qwen2_moe",
+                                  "gemma2"])
 def test_random_weight_models_two_ranks_equal_one(case, tmp_path, cache):
     c = CASES[case]
     tok = c.tokenizer()
