@@ -336,7 +336,10 @@ def test_continuous_batching_with_preemption_matches_alone(
     """24 prompts through a 60-block pool (4 tokens a block, 32 tokens a step, 8 sequences):
     prefills are chunked and running requests are preempted and recomputed, yet every output
     equals what the prompt gets alone in an unconstrained engine. The windowed cases: prompt
-    chunks start inside and past a window of 8 (blocks of 4 tokens)."""
+    chunks start inside and past a window of 8 (blocks of 4 tokens). On XLA, where every new
+    step shape compiles (about a minute per case), the llama case stands for the others."""
+    if TEST_DEVICE == "xla" and name != "llama":
+        pytest.skip("XLA: the llama case only (each case compiles its step shapes anew)")
     model = built(models, name, tmp_path_factory)
     rng = random.Random(1234)
     vocab = len(model.tokenizer)
@@ -353,7 +356,10 @@ def test_continuous_batching_with_preemption_matches_alone(
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == alone
     assert [len(o.token_ids) for o in outs] == [sp.max_tokens for sp in params]
-    assert tight.engine.stats.num_preemptions > 0
+    if tight.engine.kv.sliding_window:   # blocks out of the window released: no shortage
+        assert name == "mistral_window" and tight.engine.stats.num_preemptions == 0
+    else:   # (windowed preemption: tests/models/test_sliding_window_engine.py)
+        assert tight.engine.stats.num_preemptions > 0
     assert tight.engine.kv.num_free_blocks == tight.engine.kv.num_blocks
 
 
