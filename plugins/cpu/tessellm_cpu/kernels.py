@@ -138,11 +138,17 @@ def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None) ->
         fn = moe.FusedMoEPacked(None, None)
         return Kernel("fused_moe_packed", "fused_moe_packed_dequant", fn, device,
                       supports=fn.supports, description="dequantize each chosen expert, GEMM")
-    fn = moe.FusedMoEPacked(linear, NativePackedLinear.max_tokens)
+    try:
+        from tessellm_cpu.native_linear import NativePackedAmxLinear
+        many_rows = NativePackedAmxLinear()
+    except NativeBuildError:   # no AMX here: the float linear serves every expert
+        many_rows = None
+    fn = moe.FusedMoEPacked(linear, NativePackedLinear.max_tokens, many_rows)
     return Kernel("fused_moe_packed", "fused_moe_packed_grouped", fn, device,
                   supports=fn.supports,
                   description="tokens sorted by expert in torch; each chosen expert's linears "
-                              "by the native packed linear (dequantize-then-GEMM past 256 rows)")
+                              "by the native packed linears (AMX for 16+ rows where present; "
+                              "dequantize-then-GEMM past 256 rows)")
 
 
 def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:

@@ -3,8 +3,9 @@ each expert that any token chose reads its weights once for all of its tokens (o
 its rows for gate/up, one for down) and experts nobody chose are never read.
 
 `fused_moe_grouped` runs the experts' linears with torch (oneDNN); `FusedMoEPacked` runs
-them on stacked packed experts (GGUF's `ffn_*_exps`) with the native packed linear, reading
-each chosen expert's blocks in place, and dequantize-then-GEMM past its row range. Both
+them on stacked packed experts (GGUF's `ffn_*_exps`) with the native packed linears, reading
+each chosen expert's blocks in place (AMX tiles for an expert with 16 rows or more, where the
+machine has AMX: prefill chunks), and dequantize-then-GEMM past their row range. Both
 accumulate the weighted sum in float32; packed experts compute in float32 throughout
 (kernels.reference_moe)."""
 from __future__ import annotations
@@ -60,18 +61,25 @@ def _expert(w: PackedWeight, e: int, rows: int) -> PackedWeight:
 
 
 class FusedMoEPacked:
-    """fused_moe_packed with the native packed linear per chosen expert (rows within its
-    range), dequantize-then-GEMM otherwise; `linear` None: dequantize-then-GEMM always."""
+    """fused_moe_packed with, per chosen expert, `many_rows` (the AMX packed linear) for an
+    expert with MANY_ROWS rows or more, else the native packed linear `linear` (rows within
+    `max_rows`), else dequantize-then-GEMM; None for either: not used."""
 
-    def __init__(self, linear: Callable | None, max_rows: int | None) -> None:
-        self.linear, self.max_rows = linear, max_rows
+    MANY_ROWS = 16   # the AMX linears' tiles of 16 rows
+
+    def __init__(self, linear: Callable | None, max_rows: int | None,
+                 many_rows: Callable | None = None) -> None:
+        self.linear, self.max_rows, self.many_rows = linear, max_rows, many_rows
         self.types = getattr(linear, "types", frozenset())
 
     def supports(self, query: KernelQuery) -> bool:
         return query.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def _linear(self, rows: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-        if (self.linear is not None and w.format.ggml_type in self.types
+        native = w.format.ggml_type in self.types
+        if self.many_rows is not None and native and rows.shape[0] >= self.MANY_ROWS:
+            return self.many_rows(rows, w)
+        if (self.linear is not None and native
                 and (self.max_rows is None or rows.shape[0] <= self.max_rows)):
             return self.linear(rows, w)
         return portable.linear_packed_dequant(rows, w)
