@@ -167,6 +167,24 @@ def _packed_launches(dtype: torch.dtype) -> list[tuple[str, Launch]]:
     return out
 
 
+# a mixture-of-experts layer of Qwen3-30B-A3B's shape: hidden, expert features, experts, top-k
+MOE_SHAPE = (2048, 768, 128, 8)
+
+
+def _moe_launches(dtype: torch.dtype) -> list[tuple[str, Launch]]:
+    from . import moe
+    hidden, inter, experts, top_k = MOE_SHAPE
+    w13 = _meta((experts * 2 * inter, hidden), dtype)
+    w2 = _meta((experts * hidden, inter), dtype)
+    out = []
+    for tokens in (1, 2048):
+        _, launches = moe.fused_moe_launches(
+            _meta((tokens, hidden), dtype), w13, w2, _meta((tokens, top_k), torch.float32),
+            _meta((tokens, top_k), torch.int64))
+        out += [(f"fused_moe {tokens} tokens", launch) for launch in launches]
+    return out
+
+
 def engine_launches() -> list[tuple[str, Launch]]:
     """(case label, launch) for every model shape, dtype and batch shape above."""
     out = []
@@ -179,6 +197,7 @@ def engine_launches() -> list[tuple[str, Launch]]:
             out += [(f"{tag} {label}", launch) for label, launch in _attention_launches(m, dtype)]
             out += [(f"{tag} {label}", launch) for label, launch in _sampling_launches(m, dtype)]
         out += [(f"{_SHORT[dtype]} {label}", launch) for label, launch in _packed_launches(dtype)]
+        out += [(f"{_SHORT[dtype]} {label}", launch) for label, launch in _moe_launches(dtype)]
     return out
 
 
