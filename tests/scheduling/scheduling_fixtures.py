@@ -21,11 +21,35 @@ def make_request(rid: str, n_prompt: int, max_tokens: int, priority: int = 0,
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    budget: int = 64, max_model_len: int = 256,
                    levels: int = 3, aging: int = 0, caching: bool = False,
-                   sla: SLAConfig | None = None, swap_blocks: int | None = None) -> Scheduler:
-    """swap_blocks: None for recompute preemption, else swap mode with that many host blocks."""
+                   sla: SLAConfig | None = None, swap_blocks: int | None = None,
+                   window: int = 0) -> Scheduler:
+    """swap_blocks: None for recompute preemption, else swap mode with that many host blocks.
+    window: the KV manager's sliding window (blocks out of it are released)."""
     cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, levels, aging, sla,
                           "recompute" if swap_blocks is None else "swap", swap_blocks or 0)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching))
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
+                                         sliding_window=window))
+
+
+def window_block_bound(kv: KVCacheManager, num_tokens: int) -> int:
+    """The most blocks a windowed sequence holds while it computes `num_tokens` tokens: those
+    overlapping the window before the first and the tokens themselves."""
+    return -(-(kv.sliding_window + num_tokens - 2) // kv.block_size) + 1
+
+
+def check_window_table(kv: KVCacheManager, request: Request, num_tokens: int | None) -> None:
+    """A table's null entries are a leading run, no more than the blocks out of the window;
+    for a request scheduled with `num_tokens` (synchronous steps: each complete() before the
+    next schedule()), exactly those, and within window_block_bound."""
+    table = kv.block_table(request.request_id)
+    lead = next((i for i, b in enumerate(table) if b != KVCacheManager.NULL_BLOCK), len(table))
+    assert KVCacheManager.NULL_BLOCK not in table[lead:]
+    assert kv.num_held_blocks(request.request_id) == len(table) - lead
+    dead = kv.num_dead_blocks(request.num_computed_tokens)
+    assert lead <= dead
+    if num_tokens is not None and kv.sliding_window:
+        assert lead == dead
+        assert len(table) - lead <= window_block_bound(kv, num_tokens)
 
 
 class FakeModel:
@@ -101,8 +125,11 @@ def check_limits_and_blocks(sched: Scheduler, out: SchedulerOutput) -> None:
         assert r.num_computed_tokens + s.num_tokens <= r.num_tokens
         assert len(kv.block_table(r.request_id)) == kv.num_blocks_needed(
             r.num_computed_tokens + s.num_tokens)
+        check_window_table(kv, r, s.num_tokens)
+    for r in sched.running:
+        check_window_table(kv, r, None)
     tables = [kv.block_table(r.request_id) for r in sched.running]
-    flat = [b for t in tables for b in t]
+    flat = [b for t in tables for b in t if b != KVCacheManager.NULL_BLOCK]
     for b in set(flat):                                          # shared only via a cache hit
         assert kv.pool.ref_count(b) == flat.count(b)
         assert flat.count(b) == 1 or kv.pool.block_hash(b) is not None

@@ -11,6 +11,7 @@ from hypothesis import event, given, settings, strategies as st
 from scheduling_fixtures import Tracker, check_step, make_request, make_scheduler
 from tessellm.cache.block_pool import BlockPoolError
 from tessellm.cache.host_pool import HostBlockPool
+from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.request import FinishReason, RequestStatus
 
 import pytest
@@ -28,15 +29,15 @@ def check_swap(sched, out, tables_before: dict[str, list[int]]) -> None:
         if swap.is_swapped(r.request_id):
             assert kv.block_table(r.request_id) == []
             assert len(swap.host_table(r.request_id)) == kv.num_blocks_needed(
-                r.num_computed_tokens) > 0
+                r.num_computed_tokens) - kv.num_dead_blocks(r.num_computed_tokens) > 0
         else:
             assert r.num_computed_tokens == 0
-    for v in out.preempted:              # swap_out pairs: the victim's first blocks, in order
+    for v in out.preempted:   # swap_out pairs: the victim's blocks inside the window, in order
         host = swap.host_table(v.request_id)
         if host:
-            n = len(host)
+            first, n = kv.num_dead_blocks(v.num_computed_tokens), len(host)
             assert [p for p in out.swap_out if p[1] in host] == \
-                list(zip(tables_before[v.request_id][:n], host))
+                list(zip(tables_before[v.request_id][first:first + n], host))
     host_dst = [h for _, h in out.swap_out]
     assert len(host_dst) == len(set(host_dst))    # a shared device block may go out twice
     resumed = {s.request.request_id for s in out.scheduled if s.request.request_id
@@ -45,17 +46,22 @@ def check_swap(sched, out, tables_before: dict[str, list[int]]) -> None:
     assert in_dev <= {b for rid in resumed for b in kv.block_table(rid)}
     for b in {b for r in sched.running for b in kv.block_table(r.request_id)}:
         assert kv.pool.ref_count(b) >= 1
+    assert KVCacheManager.NULL_BLOCK not in {d for _, d in out.swap_in} | {
+        d for d, _ in out.swap_out}
 
 
 @settings(max_examples=150, deadline=None)
 @given(reqs=workload, block_size=st.sampled_from([1, 4]), extra_blocks=st.integers(0, 4),
        max_num_seqs=st.integers(1, 4), budget=st.integers(1, 30),
-       host_blocks=st.integers(0, 30), caching=st.booleans(), data=st.data())
+       host_blocks=st.integers(0, 30), caching=st.booleans(),
+       window=st.sampled_from([0, 0, 2, 5, 8]), data=st.data())
 def test_random_swap_workloads(reqs, block_size, extra_blocks, max_num_seqs, budget,
-                               host_blocks, caching, data) -> None:
+                               host_blocks, caching, window, data) -> None:
+    """(window > 0: the KV manager releases the blocks out of a sliding window; a victim
+    swaps out only the blocks inside it and resumes with those.)"""
     needed = max(-(-(p + m) // block_size) for p, m, _, _ in reqs)
     sched = make_scheduler(needed + extra_blocks, block_size, max_num_seqs, budget, levels=3,
-                           aging=2, caching=caching, swap_blocks=host_blocks)
+                           aging=2, caching=caching, swap_blocks=host_blocks, window=window)
     t = Tracker(sched)
     requests = [make_request(str(i), p, m, priority=prio, tokens=[i % 2 + 1] * p)
                 for i, (p, m, _, prio) in enumerate(reqs)]

@@ -19,7 +19,8 @@ Invariants (tests check them after random operation sequences):
   * a host block is either free or in exactly one swapped-out request's host table;
   * num_free_blocks + sum(len(host table)) + len(released this step) == num_blocks;
   * a swapped-out request holds no device blocks; its host table has exactly
-    ceil(num_computed_tokens / block_size) blocks, in token order.
+    ceil(num_computed_tokens / block_size) - kv.num_dead_blocks(num_computed_tokens) blocks
+    (with a sliding window only the blocks inside it: those it resumes with), in token order.
 When the host pool is short, `swap_out` returns False and the scheduler falls back to
 recompute for that victim (counted in `SwapStats.fallbacks`): a policy, not a failure.
 """
@@ -118,18 +119,19 @@ class SwapSpace:
         n = self.kv.num_blocks_needed(request.num_computed_tokens)
         if n == 0:
             return False
+        first = self.kv.num_dead_blocks(request.num_computed_tokens)
         table = self.kv.block_table(rid)
-        if len(table) < n:
+        if len(table) < n or KVCacheManager.NULL_BLOCK in table[first:n]:
             raise KVCacheError(f"request {rid!r} has {request.num_computed_tokens} computed "
-                               f"tokens but only {len(table)} blocks")
-        host = self.pool.allocate(n)
+                               f"tokens but not the blocks {first}..{n - 1} ({table})")
+        host = self.pool.allocate(n - first)
         if host is None:
             self.stats.fallbacks += 1
             return False
-        self._out.extend(zip(table[:n], host))
+        self._out.extend(zip(table[first:n], host))
         self._tables[rid] = host
         self.kv.free(request)
-        self.stats.blocks_out += n
+        self.stats.blocks_out += n - first
         self.stats.swap_outs += 1
         return True
 
@@ -139,7 +141,8 @@ class SwapSpace:
         end_step()."""
         rid = request.request_id
         host = self._tables.pop(rid)
-        dev = self.kv.block_table(rid)[:len(host)]
+        first = self.kv.num_dead_blocks(request.num_computed_tokens)
+        dev = self.kv.block_table(rid)[first:first + len(host)]
         if len(dev) != len(host):
             raise KVCacheError(f"request {rid!r} resumed with {len(dev)} device blocks for "
                                f"{len(host)} swapped ones")

@@ -28,7 +28,12 @@ Copy-on-write (n > 1): `fork(parent, child)` gives the child the parent's table,
 shared (incref). A shared block is never written: when `allocate_slots` grows a table whose
 block at position num_computed_tokens (the first one written) is held by another table too,
 it takes a fresh block instead, records the (shared, fresh) pair for the model runner to copy
-(`take_block_copies()`, after zeroing) and drops its reference to the shared one.
+(`take_block_copies()`, after zeroing) and drops its reference to the shared one. That
+reference is dropped only by `take_block_copies()` (until then the source is held for the
+copy, which reads it before the step): otherwise a preemption later in the same schedule()
+could free the source, hand it out as a fresh block and have it zeroed before the copy read
+it. The copy-on-write test counts table references only (a held source whose last table
+writes into it writes in place, after the copy has read it).
 
 Invariants: a block's reference count is the number of tables holding it, and it is in two
 tables only if it is a cached block shared through a hit or a block shared through a fork
@@ -36,10 +41,32 @@ tables only if it is a cached block shared through a hit or a block shared throu
 its hash names and is never written again (it is cached only once all its positions are
 computed, and only positions >= num_computed_tokens are written); a table only grows, by
 exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until `free` returns
-it whole; allocation is all-or-nothing.
+it whole (with a window, its leading entries turn null as described above, never back);
+allocation is all-or-nothing.
 
-Block 0 is the null block: reserved for life, never in a table, so block-table padding can
-point at it. The physical cache therefore has num_blocks + 1 blocks (`num_physical_blocks`).
+Sliding window (`sliding_window` W > 0: a model whose every layer has that window, so a query
+at position p reads only the keys at positions > p - W). A table stays positional (entry i
+covers positions i*bs .. i*bs + bs - 1), but the blocks no query from num_computed_tokens on
+will read, the first num_dead_blocks(num_computed_tokens) = max(c - W + 1, 0) // bs, are
+released (the normal free path: a cached one stays a prefix-cache hit until evicted) and their
+entries become the null block; `allocate_slots` does it before it grows a table, so a chunk
+starting at c keeps the W - 1 keys before c. With prefix caching on, a block is released only
+once it has been offered to the cache (`cache_full_blocks`), so a step in flight under async
+scheduling delays it by one step (a sequence then holds at most ceil((max(W - 1, T) + n - 1)
+/ bs) + 1 blocks, T the tokens of its step in flight). A new table (prefix hits, a swapped-out
+request resuming at its kept count) starts with null entries where its dead blocks would be:
+dead hits are not held at all; its hits and swapped-in full blocks count as offered.
+Kernels may read a null entry's zeros but mask those positions out (every attention kernel
+masks or skips keys outside the window). Blocks held by a windowed sequence
+computing n tokens from c: those overlapping positions c - W + 1 .. c + n - 1, at most
+ceil((W + n - 2) / bs) + 1 (a decode: ceil((W - 1) / bs) + 1).
+
+    bs = 4, W = 6, c = 13 (next query at 13 reads keys 8..13)
+    table    [ 0 (null) | 0 (null) | 42 | 7 ]     positions 0..7 released
+
+Block 0 is the null block: reserved for life, never held through a table (a windowed table's
+released entries name it but hold no reference), so block-table padding can point at it.
+The physical cache therefore has num_blocks + 1 blocks (`num_physical_blocks`).
 Blocks taken from the free queue since the last `take_fresh_blocks()` are reported by it (a
 cached block evicted for reuse too), so the model runner can zero them before first use:
 together with a zeroed null block, every slot an attention kernel can read through a (padded)
@@ -83,12 +110,16 @@ class SequenceState(Protocol):
 
 class KVCacheManager:
     __slots__ = ("_pool", "_block_size", "_tables", "_fresh", "_caching", "_hashes",
-                 "_num_cached", "_copies")
+                 "_num_cached", "_copies", "_copy_holds", "_window", "_released")
 
     NULL_BLOCK = 0
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, sliding_window: int = 0) -> None:
+        """`sliding_window`: the window of a model whose every layer has it (0: none; blocks
+        are then held for the whole context)."""
+        if not isinstance(sliding_window, int) or sliding_window < 0:
+            raise ConfigError(f"sliding_window must be an integer >= 0, got {sliding_window!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -100,15 +131,24 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._fresh: list[int] = []
         self._copies: list[tuple[int, int]] = []   # copy-on-write (source, destination)
+        self._copy_holds: dict[int, int] = {}       # source -> references kept for its copy
         self._caching = bool(enable_prefix_caching)
         # Per request: hashes of its first full blocks (a prefix of the chain), and how many
         # leading blocks of its table are cached or were offered to the cache already.
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
+        self._window = sliding_window
+        # Per windowed request: how many leading entries of its table are the null block.
+        self._released: dict[str, int] = {}
 
     @property
     def enable_prefix_caching(self) -> bool:
         return self._caching
+
+    @property
+    def sliding_window(self) -> int:
+        """The window whose out-of-window blocks are released (0: none)."""
+        return self._window
 
     @property
     def num_blocks(self) -> int:
@@ -141,6 +181,33 @@ class KVCacheManager:
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self._block_size)
+
+    def num_dead_blocks(self, num_computed: int) -> int:
+        """Leading blocks of a sequence that no query at a position >= num_computed reads:
+        those wholly before num_computed - window + 1 (0 without a window)."""
+        if not self._window:
+            return 0
+        return max(num_computed - self._window + 1, 0) // self._block_size
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request's table holds (its null entries excluded)."""
+        return len(self._tables.get(request_id, ())) - self._released.get(request_id, 0)
+
+    def new_table_plan(self, request: SequenceState, num_new_tokens: int,
+                       computed_blocks: Sequence[int] = ()) -> tuple[list[int], int]:
+        """For a request without blocks: (the hits among `computed_blocks` its table would
+        hold, the fresh blocks it would take) in allocate_slots(request, num_new_tokens,
+        computed_blocks). Hits wholly out of the window are not held (null entries)."""
+        _, held, missing = self._new_table(request, num_new_tokens, computed_blocks)
+        return held, missing
+
+    def _new_table(self, request: SequenceState, num_new_tokens: int,
+                   hits: Sequence[int]) -> tuple[int, list[int], int]:
+        """(null entries, held hits, fresh blocks) of a new table (see new_table_plan)."""
+        start = request.num_computed_tokens + len(hits) * self._block_size
+        lead = self.num_dead_blocks(start)
+        needed = self.num_blocks_needed(start + num_new_tokens)
+        return lead, list(hits[lead:]), needed - max(lead, len(hits))
 
     def get_computed_blocks(self, request: SequenceState) -> tuple[list[int], int]:
         """The cached blocks holding the longest run of full blocks at the start of the
@@ -176,8 +243,11 @@ class KVCacheManager:
         tokens, the table starting with those blocks; the caller then sets the request's
         num_computed_tokens to the tokens they cover.
 
-        Returns False, changing nothing, when the free queue is too short (hits that sit in
-        the free queue count against it too); the scheduler then preempts or waits.
+        Returns False, changing nothing (but the release of blocks out of the window, which
+        no query reads any more), when the free queue is too short (hits that sit in the free
+        queue count against it too); the scheduler then preempts or waits.
+        With a window, a grown table first releases its dead blocks (see the module
+        docstring); a new one holds only the hits inside the window.
         """
         if num_new_tokens < 0:
             raise KVCacheError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -186,18 +256,25 @@ class KVCacheManager:
         hits = list(computed_blocks)
         if hits:
             self._check_hits(request, table, hits)
-        held = len(table) if table is not None else 0
-        num_tokens = request.num_computed_tokens + len(hits) * self._block_size + num_new_tokens
-        missing = max(self.num_blocks_needed(num_tokens) - held - len(hits), 0)
-        first = request.num_computed_tokens // self._block_size   # first block written
-        cow = num_new_tokens > 0 and table is not None and first < held \
-            and self._pool.ref_count(table[first]) > 1
+        lead, cow = 0, False
+        if table is None:
+            lead, held_hits, missing = self._new_table(request, num_new_tokens, hits)
+        else:
+            if self._window:
+                table = self._release_dead(rid, table, request.num_computed_tokens)
+            held_hits = []
+            held = len(table)
+            missing = max(self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+                          - held, 0)
+            first = request.num_computed_tokens // self._block_size   # first block written
+            cow = num_new_tokens > 0 and first < held and self._pool.ref_count(table[first]) \
+                - self._copy_holds.get(table[first], 0) > 1
         if missing == 0 and not hits and not cow:
             return True
-        revived = sum(self._pool.ref_count(b) == 0 for b in hits)
+        revived = sum(self._pool.ref_count(b) == 0 for b in held_hits)
         if missing + revived + cow > self._pool.num_free_blocks:
             return False
-        self._pool.incref(hits)        # first: allocating must not evict a hit
+        self._pool.incref(held_hits)   # first: allocating must not evict a hit
         new_blocks = self._pool.allocate(missing + cow)
         self._fresh.extend(new_blocks)
         if cow:  # a new list: a table list only ever grows in place (see block_table_view)
@@ -205,14 +282,36 @@ class KVCacheManager:
             self._copies.append((shared, private))
             table = self._tables[rid] = list(table)
             table[first] = private
-            self._pool.free([shared])
+            self._copy_holds[shared] = self._copy_holds.get(shared, 0) + 1   # until the copy
         if table is None:
-            self._tables[rid] = hits + new_blocks
-            if hits:
-                self._num_cached[rid] = len(hits)
+            self._tables[rid] = [self.NULL_BLOCK] * lead + held_hits + new_blocks
+            # offered already: the hits, and with a window a resumed (swapped-in) request's
+            # computed full blocks (offered in its earlier life, or skipped, so that they can
+            # be released without waiting for a step; null entries hold nothing to offer)
+            offered = max(len(hits), request.num_computed_tokens // self._block_size
+                          if self._window else 0)
+            if offered:
+                self._num_cached[rid] = offered
+            if lead:
+                self._released[rid] = lead
         else:
             table.extend(new_blocks)
         return True
+
+    def _release_dead(self, rid: str, table: list[int], num_computed: int) -> list[int]:
+        """Release the table's blocks out of the window (only those offered to the prefix
+        cache when caching is on) and return the table: a new list when any was."""
+        dead = self.num_dead_blocks(num_computed)
+        if self._caching:
+            dead = min(dead, self._num_cached.get(rid, 0))
+        done = self._released.get(rid, 0)
+        if dead <= done:
+            return table
+        gone = table[done:dead]
+        table = self._tables[rid] = [self.NULL_BLOCK] * dead + table[dead:]
+        self._released[rid] = dead
+        self._pool.free(reversed(gone))
+        return table
 
     def cache_full_blocks(self, request: SequenceState, num_computed: int | None = None
                           ) -> None:
@@ -235,6 +334,9 @@ class KVCacheManager:
         extend_block_hashes(hashes, num_full, self._block_size, request.cache_salt,
                             request.token_ids_slice)
         for i in range(start, num_full):
+            if table[i] == self.NULL_BLOCK:
+                raise KVCacheError(f"request {rid!r}: block {i} was released before it was "
+                                   f"offered to the prefix cache")
             self._pool.cache_block(table[i], hashes[i])
         self._num_cached[rid] = num_full
 
@@ -247,8 +349,11 @@ class KVCacheManager:
         table = self._tables.get(pid)
         if not table:
             raise KVCacheError(f"request {pid!r} holds no blocks to fork")
-        self._pool.incref(table)
+        released = self._released.get(pid, 0)
+        self._pool.incref(table[released:])
         self._tables[cid] = list(table)
+        if released:
+            self._released[cid] = released
         if pid in self._hashes:
             self._hashes[cid] = list(self._hashes[pid])
         if pid in self._num_cached:
@@ -256,8 +361,13 @@ class KVCacheManager:
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs (shared source, fresh destination) since the previous call;
-        the destinations are among take_fresh_blocks() and must be copied after zeroing."""
+        the destinations are among take_fresh_blocks() and must be copied after zeroing.
+        Drops the references the sources were held by for their copies: call it once the
+        step's allocations are done (Scheduler.schedule does), before the next step's."""
         copies, self._copies = self._copies, []
+        if self._copy_holds:   # the sources' references, kept for the copies (see above)
+            holds, self._copy_holds = self._copy_holds, {}
+            self._pool.free([b for b, n in holds.items() for _ in range(n)])
         return copies
 
     def take_fresh_blocks(self) -> list[int]:
@@ -267,14 +377,16 @@ class KVCacheManager:
         return fresh
 
     def free(self, request: SequenceState) -> None:
-        """Return all the request's blocks, last block first, and forget its table (cached
-        blocks stay cached until evicted). A request without blocks is a no-op."""
+        """Return all the request's blocks (not its null entries), last block first, and
+        forget its table (cached blocks stay cached until evicted). A request without blocks
+        is a no-op."""
         rid = request.request_id
         self._hashes.pop(rid, None)
         self._num_cached.pop(rid, None)
+        released = self._released.pop(rid, 0)
         table = self._tables.pop(rid, None)
         if table:
-            self._pool.free(reversed(table))
+            self._pool.free(reversed(table[released:]))
 
     def trim(self, request: SequenceState, num_tokens: int) -> None:
         """Free the blocks of the request's table past those that hold its first `num_tokens`

@@ -72,8 +72,12 @@ class LLMEngine:
         c = parts.config
         self.parts = parts
         self.max_model_len = parts.max_model_len
+        # every layer windowed alike: blocks out of the window are released (a hybrid model,
+        # windowed and full layers, holds the whole context: one table serves every layer)
+        window = parts.spec.sliding_window if parts.spec.all_layers_windowed else 0
         self.kv = KVCacheManager(parts.num_kv_blocks, c.block_size,
-                                 enable_prefix_caching=c.enable_prefix_caching)
+                                 enable_prefix_caching=c.enable_prefix_caching,
+                                 sliding_window=window)
         sla = None if c.sla_itl_p99_ms is None else SLAConfig(
             c.sla_itl_p99_ms / 1e3, c.sla_target_tokens_per_s, c.sla_window_steps,
             c.sla_min_num_seqs)

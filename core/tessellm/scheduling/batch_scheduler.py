@@ -220,15 +220,16 @@ class BatchScheduler:
               ) -> bool:
         """Whether allocate_slots(request, n, hits) would succeed once `evicted` released
         their blocks: a block becomes free when every table holding it is evicted."""
-        pool = self.kv.pool
+        pool, null = self.kv.pool, KVCacheManager.NULL_BLOCK
         freed: set[int] = set()
         if evicted:
-            held = Counter(b for t in evicted for b in self.kv.block_table(t.request_id))
+            held = Counter(b for t in evicted for b in self.kv.block_table(t.request_id)
+                           if b != null)
             freed = {b for b, c in held.items() if pool.ref_count(b) == c}
-        revived = sum(1 for b in hits if b in freed or pool.ref_count(b) == 0)
-        # computed tokens: none, or those a swapped-out request kept (it has no hits then)
-        total = request.num_computed_tokens + len(hits) * self.kv.block_size + n
-        missing = max(self.kv.num_blocks_needed(total) - len(hits), 0)
+        # computed tokens: none, or those a swapped-out request kept (it has no hits then);
+        # with a sliding window only the blocks inside it (tessellm.cache.kv_manager)
+        held_hits, missing = self.kv.new_table_plan(request, n, hits)
+        revived = sum(1 for b in held_hits if b in freed or pool.ref_count(b) == 0)
         return missing + revived <= self.kv.num_free_blocks + len(freed)
 
     def _evict(self, victim: Ticket, victims: list[Ticket]) -> None:

@@ -1,0 +1,173 @@
+"""Released sliding-window KV blocks through the whole engine, on the mistral_window case (a
+window of 8 on every layer, tests/models/hf_fixtures.py) in float32 on the CPU: generating far
+past the window, each sequence holds at most the blocks its window and its step's tokens
+overlap (read from the engine's KV manager after every schedule), and the greedy tokens equal
+transformers' and an engine's that holds every block (the release switched off). Concurrent
+requests under a small pool (preemption by recompute and by swap, chunked prefill), n > 1
+(copy-on-write forks), prefix-cache hits on blocks released by an earlier request, and async
+scheduling change no token, and every block is free at the end."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hf_fixtures import CASES, build_hf_model, save_model_dir
+from tessellm import LLM, SamplingParams
+from tessellm.models.spec import ModelSpec
+
+WINDOW, BLOCK = 8, 4
+
+
+def bound(n: int, lag: int = 0) -> int:
+    """The most blocks a sequence computing n tokens holds: ceil((W + n - 2) / bs) + 1, or
+    with async scheduling and a step of up to `lag` tokens in flight
+    ceil((max(W - 1, lag) + n - 1) / bs) + 1 (tessellm.cache.kv_manager)."""
+    return -(-(max(WINDOW - 1, lag) + n - 1) // BLOCK) + 1
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    c = CASES["mistral_window"]
+    tok = c.tokenizer()
+    hf = build_hf_model(c, tok)
+    assert hf.config.sliding_window == WINDOW
+    hf.generation_config.eos_token_id = None
+    return hf, save_model_dir(hf, tok, tmp_path_factory.mktemp("mistral_window"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One kernel-profile cache for the module: kernels are ranked once."""
+    return tmp_path_factory.mktemp("tessellm-cache")
+
+
+def make(path: Path, cache_dir: Path, **options: Any) -> LLM:
+    # the same step limits for every engine here: kernels are profiled once for them
+    opts = dict(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=24,
+                dtype="float32")
+    opts.update(options)
+    return LLM(model=str(path), device="cpu", load_progress=False, cache_dir=str(cache_dir),
+               **opts)
+
+
+class Recorder:
+    """Wraps the engine's scheduler: after every schedule(), the blocks each scheduled
+    request holds (checked against bound) and the blocks in use."""
+
+    def __init__(self, llm: LLM, lag: int = 0) -> None:
+        self.kv, sched = llm.engine.kv, llm.engine.scheduler
+        self.most_held = 0
+        self.most_in_use = 0
+        self.held_per_step: list[int] = []
+        schedule = sched.schedule
+
+        def recording():
+            out = schedule()
+            for s in out.scheduled:
+                held = self.kv.num_held_blocks(s.request.request_id)
+                self.most_held = max(self.most_held, held)
+                if self.kv.sliding_window:
+                    assert held <= bound(s.num_tokens, lag), (s.request.request_id, held)
+            if len(out.scheduled) == 1:
+                self.held_per_step.append(
+                    self.kv.num_held_blocks(out.scheduled[0].request.request_id))
+            self.most_in_use = max(self.most_in_use,
+                                   self.kv.num_blocks - self.kv.num_free_blocks)
+            return out
+        sched.schedule = recording
+
+
+@pytest.fixture
+def no_release(monkeypatch: pytest.MonkeyPatch):
+    """Engines built inside hold every block (as a hybrid model's do)."""
+    def off() -> None:
+        monkeypatch.setattr(ModelSpec, "all_layers_windowed", property(lambda self: False))
+    return off
+
+
+@torch.inference_mode()
+def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    prompt = torch.tensor([ids])
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                      max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def test_long_generation_holds_the_window_and_matches_transformers(
+        case, cache_dir: Path, no_release) -> None:
+    hf, path = case
+    rng = random.Random(3)
+    vocab = hf.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(30)]
+    params = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    want = hf_greedy(hf, prompt, 90)
+    assert len(set(want)) >= 4
+
+    llm = make(path, cache_dir)   # the prompt in chunks of 24 and 6
+    assert llm.engine.kv.sliding_window == WINDOW
+    rec = Recorder(llm)
+    free0 = llm.engine.kv.num_free_blocks
+    assert llm.generate([prompt], params)[0].token_ids == want
+    # chunk 0..23: 6 blocks; chunk 24..29 reads keys 17..29: blocks 4..7; then the decodes
+    # hold bound(1) = ceil(7 / 4) + 1 = 3 blocks at most (positions c - 7 .. c)
+    assert rec.held_per_step[:2] == [6, 4] and len(rec.held_per_step) == 91
+    assert max(rec.held_per_step[2:]) == bound(1) == 3
+    assert llm.engine.kv.num_free_blocks == free0 == llm.engine.kv.num_blocks
+
+    no_release()
+    full = make(path, cache_dir)
+    assert full.engine.kv.sliding_window == 0
+    rec_full = Recorder(full)
+    assert full.generate([prompt], params)[0].token_ids == want
+    assert rec_full.held_per_step[-1] == -(-(30 + 90 - 1) // BLOCK)   # the whole context
+
+
+ALONE: list[list[int]] = []   # the greedy tokens of each prompt alone, holding every block
+
+
+@pytest.mark.parametrize("mode, async_scheduling", [
+    ("recompute", False), ("swap", False), ("recompute", True)])
+def test_concurrent_preempted_forked_and_cached_requests_match_alone(
+        case, cache_dir: Path, no_release, mode: str, async_scheduling: bool) -> None:
+    """Ten requests, four of them sharing a 20-token prefix (prefix-cache hits on blocks the
+    first one released out of its window), one of them n = 2, 30..40 new tokens each, eight
+    at a time in a pool of 20 blocks (what the longest needs alone) with 24 tokens a step:
+    preemption happens, and every output equals the request's greedy tokens alone in an
+    engine that holds every block."""
+    hf, path = case
+    rng = random.Random(11)
+    vocab = hf.config.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(20)]
+    prompts = [shared + [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+               for _ in range(4)]
+    prompts += [[rng.randrange(vocab) for _ in range(rng.randint(5, 36))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=rng.randint(30, 40), temperature=0.0, ignore_eos=True)
+              for _ in prompts]
+
+    llm = make(path, cache_dir, num_kv_blocks=20, preemption_mode=mode,
+               num_host_kv_blocks=40 if mode == "swap" else None,
+               async_scheduling=async_scheduling)
+    rec = Recorder(llm, 24 if async_scheduling else 0)
+    first = llm.generate([prompts[0]], params[0])[0].token_ids   # fills the prefix cache
+    outs = llm.generate(prompts[1:], params[1:], n=None)
+    forked = llm.generate([prompts[5]], params[5], n=2)[0]
+    eng = llm.engine
+    assert eng.scheduler.prefix_cache_hits > 0
+    assert eng.stats.num_preemptions > 0
+    if mode == "swap":
+        assert eng.stats.num_swapped_out_blocks > 0
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    assert rec.most_held <= bound(24, 24)
+
+    no_release()
+    if not ALONE:
+        alone = make(path, cache_dir)
+        ALONE.extend(alone.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params))
+    want = ALONE
+    assert first == want[0]
+    assert [o.token_ids for o in outs] == want[1:]
+    assert [s.token_ids for s in forked.samples] == [want[5], want[5]]
