@@ -275,7 +275,10 @@ def test_corrupt_cached_object_is_rebuilt(cache_dir: Path, stories_dir: Path) ->
     pm = PluginManager()
     offered = _offered(pm)
     assert "decode_native_paged" in offered["attention_decode"]
-    assert "kernels_not_offered" not in _cpu_row(pm)
+    # nothing failed to build (kernels this CPU lacks the instructions for are named only
+    # for that reason)
+    reasons = _cpu_row(pm).get("kernels_not_offered", {})
+    assert all(why.startswith("this CPU has no ") for why in reasons.values()), reasons
     assert path.read_bytes() != garbage and path.stat().st_size > 1000
     # kernel_selection "first" runs the native decode kernel (the first candidate)
     _generates_reference(stories_dir, kernel_selection="first")

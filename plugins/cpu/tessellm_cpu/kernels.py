@@ -138,17 +138,25 @@ def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None) ->
         fn = moe.FusedMoEPacked(None, None)
         return Kernel("fused_moe_packed", "fused_moe_packed_dequant", fn, device,
                       supports=fn.supports, description="dequantize each chosen expert, GEMM")
-    try:
-        from tessellm_cpu.native_linear import NativePackedAmxLinear
-        many_rows = NativePackedAmxLinear()
-    except NativeBuildError:   # no AMX here: the float linear serves every expert
-        many_rows = None
+    many_rows = None   # without AMX the float linear serves every expert
+    if not _amx_missing():
+        try:
+            from tessellm_cpu.native_linear import NativePackedAmxLinear
+            many_rows = NativePackedAmxLinear()
+        except NativeBuildError:
+            pass
     fn = moe.FusedMoEPacked(linear, NativePackedLinear.max_tokens, many_rows)
     return Kernel("fused_moe_packed", "fused_moe_packed_grouped", fn, device,
                   supports=fn.supports,
                   description="tokens sorted by expert in torch; each chosen expert's linears "
                               "by the native packed linears (AMX for 16+ rows where present; "
                               "dequantize-then-GEMM past 256 rows)")
+
+
+def _amx_missing() -> list[str]:
+    """The AMX flags this CPU lacks (its kernels are not even compiled where any is)."""
+    from tessellm_cpu.native_build import host_cpu_flags
+    return sorted({"amx_tile", "amx_bf16", "amx_int8"} - host_cpu_flags())
 
 
 def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
@@ -158,6 +166,13 @@ def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[
     kernel_selection "first" takes)."""
     from tessellm_cpu.native_amx import NativeAmxLinear
     from tessellm_cpu.native_linear import NativePackedAmxLinear, NativeQ8ActAmxLinear
+    names = ("linear_amx_native", "linear_packed_amx", "linear_q8act_amx")
+    missing = _amx_missing()
+    if missing:   # expected on most CPUs: named as not offered, without a build or a warning
+        if not_offered is not None:
+            not_offered.update({n: f"this CPU has no AMX ({', '.join(missing)} not in its "
+                                   f"flags)" for n in names})
+        return []
     return _built_kernels((("linear", "linear_amx_native", NativeAmxLinear,
                             "C, AMX bf16 tiles, weight packed once"),
                            ("linear_packed", "linear_packed_amx", NativePackedAmxLinear,

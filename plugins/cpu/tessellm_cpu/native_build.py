@@ -67,6 +67,12 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
+def host_cpu_flags() -> frozenset[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where it lists none)."""
+    line = _cpu_flags()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
