@@ -117,7 +117,7 @@ def test_torch_kernels_in_a_program_are_reported_as_python_nodes(stories_dir):
     # labels are "node (op)"; what else the profiler put on torch kernels depends on the CPU
     assert "silu_and_mul" in {label.rsplit("(", 1)[1].rstrip(")")
                               for label in program.fallbacks}, program.fallbacks
-    assert program.native_calls > 5 * 6
+    assert program.native_calls >= 5   # the rest stays native: at least each layer's attention
 
 
 def test_a_failing_node_fails_its_step_only(stories_dir, monkeypatch):
