@@ -84,7 +84,8 @@ def test_refusals(amx) -> None:
     assert not amx.supports(KernelQuery("linear", torch.bfloat16, 8, dims(576, 40)))
 
 
-def test_offered_after_the_plain_linears_with_its_layout(amx) -> None:
+def test_offered_after_the_plain_linears_with_its_layout(amx, monkeypatch) -> None:
+    monkeypatch.delenv("TESSELLM_CPU_NO_AMX", raising=False)
     linears = [k for k in cpu_kernels("cpu") if k.op == "linear"]
     names = [k.name for k in linears]
     assert names.index("linear_amx_native") > names.index("linear_aten")
@@ -93,12 +94,15 @@ def test_offered_after_the_plain_linears_with_its_layout(amx) -> None:
 
 
 def test_not_offered_without_amx(monkeypatch) -> None:
-    """Where the build has no AMX (or Linux refuses the tile state) the kernel is named in
-    not_offered with why, and the other linears stay."""
+    """Where the CPU's flags list AMX but the build has none (or Linux refuses the tile state)
+    the kernel is named in not_offered with why, and the other linears stay (a CPU without
+    the flags: tests/kernels/test_native_prebuild.py)."""
+    import tessellm_cpu.kernels as kernels
     import tessellm_cpu.native_amx as native_amx
 
     def refuse(self):
         raise NativeBuildError("no AMX here (simulated)")
+    monkeypatch.setattr(kernels, "_amx_missing", lambda: [])
     monkeypatch.setattr(native_amx.NativeAmxLinear, "__init__", refuse)
     not_offered: dict[str, str] = {}
     names = [k.name for k in cpu_kernels("cpu", not_offered) if k.op == "linear"]

@@ -3,11 +3,12 @@ the profiler picks the faster correct one per token bucket. Plain-torch formulat
 every device come from tessellm's portable kernels (plugin_api.portable)."""
 from __future__ import annotations
 
+import logging
+import os
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-
-import logging
-from typing import Any
 
 from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable, reference
 from tessellm_cpu import attention, moe
@@ -154,9 +155,12 @@ def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None) ->
 
 
 def _amx_missing() -> list[str]:
-    """The AMX flags this CPU lacks (its kernels are not even compiled where any is)."""
+    """The AMX flags this CPU lacks (its kernels are not even compiled where any is); all of
+    them when TESSELLM_CPU_NO_AMX=1 asks the plugin to run as on a CPU without AMX (as
+    oneDNN's ONEDNN_MAX_CPU_ISA caps its ISA)."""
     from tessellm_cpu.native_build import host_cpu_flags
-    return sorted({"amx_tile", "amx_bf16", "amx_int8"} - host_cpu_flags())
+    flags = set() if os.environ.get("TESSELLM_CPU_NO_AMX") == "1" else host_cpu_flags()
+    return sorted({"amx_tile", "amx_bf16", "amx_int8"} - flags)
 
 
 def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
@@ -222,7 +226,9 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
 
     from tessellm_cpu.native_build import prebuild
     from tessellm_cpu.native_linear import NATIVE
-    prebuild(sorted(NATIVE.glob("*.c")))   # a fresh cache compiles them side by side
+    # a fresh cache compiles them side by side (the AMX sources only where the CPU has AMX)
+    amx = not _amx_missing()
+    prebuild(sorted(s for s in NATIVE.glob("*.c") if amx or "amx" not in s.stem.split("_")))
     # kernels with a weight layout come after the plain ones, so kernel_selection "first"
     # never converts a weight
     return native_kernels(device, not_offered, recorder) + [
