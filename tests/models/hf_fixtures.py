@@ -304,3 +304,12 @@ def save_model_dir(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> Pat
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
+
+
+@torch.inference_mode()
+def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of `ids`: exactly n tokens (EOS does not stop it)."""
+    prompt = torch.tensor([ids])
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                      max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(ids):].tolist()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hf_fixtures import (DYNAMIC_ROPE_CASE, CASES, GPT2_GGUF, STORIES_260K, build_hf_model,
-                         gpt2_tokenizer_from_gguf, save_model_dir)
+                         gpt2_tokenizer_from_gguf, hf_greedy, save_model_dir)
 from logits_probe import prefill_logits_and_token
 from tessellm import LLM, SamplingParams
 
@@ -116,14 +116,6 @@ def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return hf(torch.tensor([ids])).logits[0, -1]
 
 
-@torch.inference_mode()
-def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int = NUM_GREEDY) -> list[int]:
-    prompt = torch.tensor([ids])
-    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                      max_new_tokens=n, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
-
-
 def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
     """Token ids over the whole vocabulary, the last ids included (tests the table's end)."""
     rng = random.Random(seed)
@@ -140,7 +132,7 @@ def test_greedy_matches_hf_generate(model: Built, cache_dir: Path) -> None:
     llm = model.llm("float32", cache_dir)
     prompt_ids = [model.encode(p) for p in PROMPTS]
     assert [llm.encode(p) for p in PROMPTS] == prompt_ids  # same tokenizer on both sides
-    expected = [hf_greedy(model.hf, ids) for ids in prompt_ids]
+    expected = [hf_greedy(model.hf, ids, NUM_GREEDY) for ids in prompt_ids]
     # Not a degenerate model: greedy output wanders over several tokens.
     assert all(len(set(e)) >= 4 for e in expected), expected
 

@@ -21,7 +21,7 @@ import torch
 
 from gguf_fixtures import Vocab
 from hf_fixtures import (CASES, PHI3_LONG_FACTOR, PHI3_SHORT_FACTOR, ModelCase, _phi3_config,
-                         build_hf_model, phi3_tokenizer, save_model_dir)
+                         build_hf_model, hf_greedy, phi3_tokenizer, save_model_dir)
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ModelLoadError, UnsupportedModelError
 from tessellm.models.phi3 import adapt_phi3_weights, phi3_spec
@@ -65,14 +65,6 @@ def saved(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Iterator[
 
     yield get
     made.clear()
-
-
-@torch.inference_mode()
-def _hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    prompt = torch.tensor([ids])
-    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                      max_new_tokens=n, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
 
 
 @torch.inference_mode()
@@ -204,11 +196,11 @@ def test_short_factors_within_the_original_length_equal_transformers(
     differs = 0
     for ids in prompts:
         assert len(ids) + n <= 64
-        want = _hf_greedy(hf, ids, n)
+        want = hf_greedy(hf, ids, n)
         got = llm.generate([ids], SamplingParams(max_tokens=n, temperature=0.0,
                                                  ignore_eos=True))[0].token_ids
         assert got == want, ids
-        differs += _hf_greedy(long_hf, ids, n) != want
+        differs += hf_greedy(long_hf, ids, n) != want
     assert differs >= 1
 
 
@@ -221,13 +213,13 @@ def test_sliding_window_equals_transformers(saved: Any, cache_dir: Path) -> None
     rng = random.Random(3)
     n = 30
     for ids in (HELLO, [1] + [rng.randrange(32064) for _ in range(39)]):
-        want = _hf_greedy(hf, ids, n)
+        want = hf_greedy(hf, ids, n)
         got = llm.generate([ids], SamplingParams(max_tokens=n, temperature=0.0,
                                                  ignore_eos=True))[0].token_ids
         assert got == want, ids
         hf.config.sliding_window = None
         try:
-            assert _hf_greedy(hf, ids, n) != want, ids
+            assert hf_greedy(hf, ids, n) != want, ids
         finally:
             hf.config.sliding_window = 16
 
@@ -260,7 +252,7 @@ def test_continuous_batching_with_preemption_matches_alone(saved: Any, cache_dir
                     cache_dir=str(cache_dir), **ENGINE_OPTIONS)
     alone = [alone_llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     for p, sp, got in list(zip(prompts, params, alone))[:2]:
-        assert got == _hf_greedy(hf, p, sp.max_tokens)
+        assert got == hf_greedy(hf, p, sp.max_tokens)
     tight = LLM(model=str(path), device="cpu", dtype="float32", load_progress=False,
                 cache_dir=str(cache_dir), block_size=4, num_kv_blocks=40,
                 max_num_batched_tokens=32, max_num_seqs=6)

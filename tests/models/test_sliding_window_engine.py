@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from hf_fixtures import CASES, build_hf_model, save_model_dir
+from hf_fixtures import CASES, build_hf_model, hf_greedy, save_model_dir
 from tessellm import LLM, SamplingParams
 from tessellm.models.spec import ModelSpec
 
@@ -87,14 +87,6 @@ def no_release(monkeypatch: pytest.MonkeyPatch):
     def off() -> None:
         monkeypatch.setattr(ModelSpec, "all_layers_windowed", property(lambda self: False))
     return off
-
-
-@torch.inference_mode()
-def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    prompt = torch.tensor([ids])
-    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                      max_new_tokens=n, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
 
 
 def test_long_generation_holds_the_window_and_matches_transformers(

@@ -127,9 +127,11 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
     return _built_kernels(specs, device, not_offered, recorder)
 
 
-def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None) -> Kernel:
-    """fused_moe_packed over the native packed linear, or dequantize-then-GEMM per expert
-    where the native linear cannot be built (named in `not_offered`)."""
+def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None,
+                      amx: bool = True) -> Kernel:
+    """fused_moe_packed over the native packed linear (and the AMX one for many rows where
+    `amx`: the CPU has it), or dequantize-then-GEMM per expert where the native linear cannot
+    be built (named in `not_offered`)."""
     from tessellm_cpu.native_linear import NativePackedLinear
     try:
         linear = NativePackedLinear()
@@ -140,7 +142,7 @@ def moe_packed_kernel(device: str, not_offered: dict[str, str] | None = None) ->
         return Kernel("fused_moe_packed", "fused_moe_packed_dequant", fn, device,
                       supports=fn.supports, description="dequantize each chosen expert, GEMM")
     many_rows = None   # without AMX the float linear serves every expert
-    if not _amx_missing():
+    if amx:
         try:
             from tessellm_cpu.native_linear import NativePackedAmxLinear
             many_rows = NativePackedAmxLinear()
@@ -163,28 +165,30 @@ def _amx_missing() -> list[str]:
     return sorted({"amx_tile", "amx_bf16", "amx_int8"} - flags)
 
 
-def amx_kernels(device: str, not_offered: dict[str, str] | None = None) -> list[Kernel]:
+def amx_kernels(device: str, not_offered: dict[str, str] | None = None,
+                missing: list[str] | None = None) -> list[Kernel]:
     """The AMX kernels where this machine has AMX: the bf16 linear (it reads its weight in a
     layout of its own, so it comes after the plain kernels, like oneDNN's) and the float and
     int8 linears over packed weights for many rows (after the row kernels, which
-    kernel_selection "first" takes)."""
+    kernel_selection "first" takes). `missing`: the AMX flags the CPU lacks (_amx_missing()
+    when None); with any, none is built and each is named not offered, without a warning
+    (expected on most CPUs)."""
     from tessellm_cpu.native_amx import NativeAmxLinear
     from tessellm_cpu.native_linear import NativePackedAmxLinear, NativeQ8ActAmxLinear
-    names = ("linear_amx_native", "linear_packed_amx", "linear_q8act_amx")
-    missing = _amx_missing()
-    if missing:   # expected on most CPUs: named as not offered, without a build or a warning
-        if not_offered is not None:
-            not_offered.update({n: f"this CPU has no AMX ({', '.join(missing)} not in its "
-                                   f"flags)" for n in names})
-        return []
-    return _built_kernels((("linear", "linear_amx_native", NativeAmxLinear,
-                            "C, AMX bf16 tiles, weight packed once"),
-                           ("linear_packed", "linear_packed_amx", NativePackedAmxLinear,
-                            "C, AMX bf16 tiles over levels decoded per call, x in three bf16 "
-                            "parts: float32-exact (16+ rows)"),
-                           ("linear_packed_q8act", "linear_q8act_amx", NativeQ8ActAmxLinear,
-                            "C, AMX int8 tiles over blocks decoded per call (16+ rows)")),
-                          device, not_offered)
+    specs = (("linear", "linear_amx_native", NativeAmxLinear,
+              "C, AMX bf16 tiles, weight packed once"),
+             ("linear_packed", "linear_packed_amx", NativePackedAmxLinear,
+              "C, AMX bf16 tiles over levels decoded per call, x in three bf16 parts: "
+              "float32-exact (16+ rows)"),
+             ("linear_packed_q8act", "linear_q8act_amx", NativeQ8ActAmxLinear,
+              "C, AMX int8 tiles over blocks decoded per call (16+ rows)"))
+    missing = _amx_missing() if missing is None else missing
+    if not missing:
+        return _built_kernels(specs, device, not_offered)
+    if not_offered is not None:
+        why = f"this CPU has no AMX ({', '.join(missing)} not in its flags)"
+        not_offered.update({name: why for _, name, _, _ in specs})
+    return []
 
 
 def _built_kernels(specs, device: str, not_offered: dict[str, str] | None,
@@ -227,7 +231,8 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
     from tessellm_cpu.native_build import prebuild
     from tessellm_cpu.native_linear import NATIVE
     # a fresh cache compiles them side by side (the AMX sources only where the CPU has AMX)
-    amx = not _amx_missing()
+    amx_missing = _amx_missing()
+    amx = not amx_missing
     prebuild(sorted(s for s in NATIVE.glob("*.c") if amx or "amx" not in s.stem.split("_")))
     # kernels with a weight layout come after the plain ones, so kernel_selection "first"
     # never converts a weight
@@ -270,6 +275,6 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
         k("moe_router", "moe_router_torch", reference.moe_router, "softmax/sigmoid, topk"),
         k("fused_moe", "fused_moe_grouped", moe.fused_moe_grouped,
           "tokens sorted by expert, one GEMM pair per chosen expert"),
-        moe_packed_kernel(device, not_offered),
+        moe_packed_kernel(device, not_offered, amx),
         k("sigmoid_gate", "sigmoid_gate_torch", reference.sigmoid_gate),
-    ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered)
+    ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered, amx_missing)
