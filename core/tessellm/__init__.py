@@ -9,16 +9,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:   # for type checkers and the API docs (mkdocstrings reads these statically)
     from tessellm.constraints.structured_outputs import StructuredOutputs
     from tessellm.llm import LLM, CompletionOutput, RequestOutput
+    from tessellm.lora.request import LoRARequest
     from tessellm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 _PUBLIC = {"LLM": "tessellm.llm", "CompletionOutput": "tessellm.llm",
            "RequestOutput": "tessellm.llm", "SamplingParams": "tessellm.sampling_params",
-           "StructuredOutputs": "tessellm.constraints.structured_outputs"}
+           "StructuredOutputs": "tessellm.constraints.structured_outputs",
+           "LoRARequest": "tessellm.lora.request"}
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputs",
-           "__version__"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "RequestOutput", "SamplingParams",
+           "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -88,6 +88,13 @@ class EngineConfig(BaseModel):
     sla_target_tokens_per_s: float | None = Field(None, gt=0)
     sla_window_steps: int = Field(64, ge=1)
     sla_min_num_seqs: int = Field(1, ge=1)
+    # Multi-LoRA (tessellm.lora): requests may name PEFT adapters over the base model; at most
+    # max_loras distinct adapters run at once (the device slot table), each of rank <=
+    # max_lora_rank; max_cpu_loras loaded adapters are kept on the host (default max_loras).
+    enable_lora: bool = False
+    max_loras: int = Field(1, ge=1, le=256)
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    max_cpu_loras: int | None = Field(None, ge=1)
     speculative_config: SpeculativeConfig | None = Field(
         None, description="speculative decoding (vLLM's shape): {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": k, ...}; see tessellm.speculative")
@@ -111,6 +118,12 @@ class EngineConfig(BaseModel):
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > "
                              "1 yet (untested combination)")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet "
+                             "(the adapters' A/B are not sharded)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
         if self.sla_min_num_seqs > self.max_num_seqs:
             raise ValueError(f"sla_min_num_seqs ({self.sla_min_num_seqs}) exceeds max_num_seqs "
                              f"({self.max_num_seqs})")

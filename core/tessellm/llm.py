@@ -22,6 +22,7 @@ from tessellm.engine.llm_engine import LLMEngine
 from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.output_processor import OutputProcessor
 from tessellm.errors import InvalidRequestError
+from tessellm.lora.request import LoRARequest
 from tessellm.plugins import PluginManager
 from tessellm.request import FinishReason, Request
 from tessellm.sampling_params import SamplingParams
@@ -145,7 +146,8 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: int | Sequence[int] | None = None, n: int | None = None
+                 priority: int | Sequence[int] | None = None, n: int | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Nothing is queued if
         any prompt, params or priority entry is invalid. `priority`: one for all prompts or
@@ -153,20 +155,24 @@ class LLM:
         `n`: samples per prompt, else each params' own `n` (a params n other than 1 that
         differs from `n` is an error). Sample i is seeded with seed + i when params.seed is
         set; the samples share the prompt's KV blocks (copy-on-write). `params.stop`: see
-        SamplingParams; the text is trimmed as the server trims it."""
+        SamplingParams; the text is trimmed as the server trims it. `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model; needs
+        enable_lora)."""
         if isinstance(prompts, str):
             raise InvalidRequestError("prompts must be a list of strings or of token-id lists")
         per_prompt, priorities, ns = self._per_prompt(len(prompts), params, priority, n)
+        loras = _per_prompt_lora(len(prompts), lora_request)
         token_lists = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
-        return self._run(token_lists, texts, per_prompt, priorities, ns)
+        return self._run(token_lists, texts, per_prompt, priorities, ns, loras)
 
     def chat(self, messages: Messages | Sequence[Messages],
              params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              priority: int | Sequence[int] | None = None,
              tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
-             parallel_tool_calls: bool = True, tool_call_parser: str | None = None
+             parallel_tool_calls: bool = True, tool_call_parser: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"}
         dicts) or to each of a list of them; one RequestOutput per conversation, whose
@@ -177,10 +183,12 @@ class LLM:
         {"type": "function", "function": {"name"}}), `parallel_tool_calls` and
         `tool_call_parser` as the server takes them (tessellm.tools.tool_plan): each output's
         `tool_calls` are the calls parsed from its text (finish_reason "tool_calls" when it
-        ended with complete calls); a required or named call is forced by a grammar."""
+        ended with complete calls); a required or named call is forced by a grammar.
+        `lora_request` as in `generate`."""
         conversations = _conversations(messages)
         per_prompt, priorities, ns = self._per_prompt(len(conversations), params, priority,
                                                       None)
+        loras = _per_prompt_lora(len(conversations), lora_request)
         template = chat_template_of(self.tokenizer, chat_template)
         plans = [self._tool_plan(c, template, tools, tool_choice, parallel_tool_calls,
                                  tool_call_parser) for c in conversations]
@@ -188,7 +196,7 @@ class LLM:
                                 add_generation_prompt=add_generation_prompt) for p in plans]
         per_prompt = [_with_forced(params, plan) for params, plan in zip(per_prompt, plans)]
         outputs = self._run([ids for _, ids in rendered], [text for text, _ in rendered],
-                            per_prompt, priorities, ns)
+                            per_prompt, priorities, ns, loras)
         for out, plan in zip(outputs, plans):
             if plan.format is not None:
                 for sample in out.outputs:
@@ -235,14 +243,15 @@ class LLM:
         return per_prompt, priorities, [n] * count
 
     def _run(self, token_lists: list[list[int]], texts: list[str | None],
-             per_prompt: list[SamplingParams], priorities: list[int], ns: list[int]
-             ) -> list[RequestOutput]:
+             per_prompt: list[SamplingParams], priorities: list[int], ns: list[int],
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         """Queue every group (or none), step until all finish, collect in prompt order."""
         groups: list[list[Request]] = []
         requests: list[Request] = []
         try:
-            for ids, p, prio, n in zip(token_lists, per_prompt, priorities, ns):
-                group = self.engine.add_request_group(ids, p, n, priority=prio)
+            for ids, p, prio, n, lora in zip(token_lists, per_prompt, priorities, ns, loras):
+                group = self.engine.add_request_group(ids, p, n, priority=prio,
+                                                      lora_request=lora)
                 groups.append(group)
                 requests += group
         except Exception:
@@ -279,6 +288,24 @@ class LLM:
                              first.text, first.finish_reason,
                              samples if len(group) > 1 else [], prompt,
                              [s.outputs[0] for s in samples], prompt_lps)
+
+
+def _per_prompt_lora(count: int, lora_request: Any) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt: `lora_request` for all, or one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+        raise InvalidRequestError(f"lora_request must be a LoRARequest or one per prompt, got "
+                                  f"{type(lora_request).__name__}", "lora_request")
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise InvalidRequestError(f"{count} prompts but {len(loras)} lora_request entries",
+                                  "lora_request")
+    for lora in loras:
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(f"lora_request entries must be LoRARequest or None, got "
+                                      f"{type(lora).__name__}", "lora_request")
+    return loras
 
 
 def _with_forced(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

@@ -88,6 +88,15 @@ class Request:
     # schedule(), taken by it) and the proposer's and policy's state for this request
     draft_token_ids: list[int] = field(default_factory=list)
     speculation: Any = None
+    # multi-LoRA (tessellm.lora): the request's adapter (a LoRAAdapter, None: the base model)
+    # and its slot in the device table for the step being built (set by LoRAManager.assign)
+    adapter: Any = None
+    lora_slot: int = -1
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model): prefix-cache blocks are shared per id."""
+        return 0 if self.adapter is None else self.adapter.int_id
 
     @property
     def num_tokens(self) -> int:

@@ -93,7 +93,7 @@ class Scheduler:
             if config.preemption_mode == "swap" else None
         self._batch = BatchScheduler(kv, self._requests,
                                      config.max_num_batched_tokens, self.preempt,
-                                     self._prefix_stats, self._swap)
+                                     self._prefix_stats, self._swap, config.max_loras)
         self._sla = SLABatchSizer(config.sla, config.max_num_seqs) if config.sla else None
         self._num_preemptions = 0
         self._forks = ForkGroups()

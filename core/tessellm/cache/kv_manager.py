@@ -105,6 +105,9 @@ class SequenceState(Protocol):
     @property
     def cache_salt(self) -> str | None: ...
 
+    @property
+    def lora_int_id(self) -> int: ...   # 0: the base model; an adapter's KV is its own
+
     def token_ids_slice(self, start: int, stop: int) -> list[int]: ...
 
 
@@ -226,7 +229,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self._block_size
         hashes = self._hashes.setdefault(rid, [])
         extend_block_hashes(hashes, max_hit_blocks, self._block_size, request.cache_salt,
-                            request.token_ids_slice)
+                            request.token_ids_slice, request.lora_int_id)
         blocks: list[int] = []
         for block_hash in hashes[:max_hit_blocks]:
             block_id = self._pool.cached_block(block_hash)
@@ -332,7 +335,7 @@ class KVCacheManager:
             return
         hashes = self._hashes.setdefault(rid, [])
         extend_block_hashes(hashes, num_full, self._block_size, request.cache_salt,
-                            request.token_ids_slice)
+                            request.token_ids_slice, request.lora_int_id)
         for i in range(start, num_full):
             if table[i] == self.NULL_BLOCK:
                 raise KVCacheError(f"request {rid!r}: block {i} was released before it was "

@@ -2,11 +2,12 @@
 
 A full block (block_size tokens) of a sequence is named by a chained hash:
 
-    h(-1) = root(cache_salt)                      (the salt seeds the chain)
+    h(-1) = root(cache_salt, lora_int_id)         (the salt and adapter seed the chain)
     h(i)  = sha256(h(i-1) || token ids of block i as little-endian int64)
 
 so h(i) names the whole prefix 0 .. (i+1)*block_size - 1, not just the block, and two
-sequences with equal token prefixes but different salts never share a hash. Partial blocks
+sequences with equal token prefixes but different salts (or LoRA adapters) never share a
+hash. Partial blocks
 are never hashed or cached: their KV is still being written.
 
 Collision stance: digests are full sha256 (32 bytes). A collision would make one sequence read
@@ -30,10 +31,13 @@ BlockHash = bytes
 _NATIVE_LE = sys.byteorder == "little"  # array("q") is 8 bytes on every supported platform
 
 
-def root_hash(cache_salt: str | None) -> BlockHash:
-    """The chain's seed: distinct for no salt, each salt string (including "")."""
+def root_hash(cache_salt: str | None, lora_int_id: int = 0) -> BlockHash:
+    """The chain's seed: distinct for no salt, each salt string (including ""), and each
+    LoRA adapter id (0: the base model; KV computed through an adapter is its own)."""
     seed = b"tessellm-prefix-v1\x00" if cache_salt is None else (
         b"tessellm-prefix-v1\x01" + cache_salt.encode("utf-8", "surrogatepass"))
+    if lora_int_id:
+        seed = b"lora\x00" + str(lora_int_id).encode() + b"\x00" + seed
     return hashlib.sha256(seed).digest()
 
 
@@ -47,11 +51,12 @@ def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
 
 def extend_block_hashes(hashes: list[BlockHash], num_full_blocks: int, block_size: int,
                         cache_salt: str | None,
-                        token_ids_slice: Callable[[int, int], list[int]]) -> None:
+                        token_ids_slice: Callable[[int, int], list[int]],
+                        lora_int_id: int = 0) -> None:
     """Append hashes to `hashes` (the chain of a sequence's first len(hashes) blocks) until it
     covers `num_full_blocks` blocks. Token ids only ever get appended to a sequence, so
     hashes already in the list stay valid."""
-    parent = hashes[-1] if hashes else root_hash(cache_salt)
+    parent = hashes[-1] if hashes else root_hash(cache_salt, lora_int_id)
     for i in range(len(hashes), num_full_blocks):
         parent = hash_block(parent, token_ids_slice(i * block_size, (i + 1) * block_size))
         hashes.append(parent)

@@ -21,6 +21,7 @@ from tessellm.engine.memory_profile import profile_forward
 from tessellm.graph.plan import ExecutionPlan
 from tessellm.kernels.profiler import KernelSelector, ProfileCache, token_bucket
 from tessellm.kernels.registry import KernelRegistry
+from tessellm.lora.sites import LoRASite, add_lora_sites
 from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
 from tessellm.graph.passes.q8_activations import q8_activations
@@ -67,6 +68,8 @@ class EngineParts:
     parallel: ParallelGroup | None = None
     # speculation: the proposers plugins register (method name -> factory), built-ins aside
     proposers: dict[str, Any] = field(default_factory=dict)
+    # LoRA (enable_lora): the graph's adapter sites; their slot tables are in `weights`
+    lora_sites: list[LoRASite] = field(default_factory=list)
 
     @property
     def is_demo(self) -> bool:
@@ -263,11 +266,18 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         q8 = GraphPass("q8_activations", q8_activations, (Q8ACT_OP,))
         passes = passes[:-1] + [q8] + passes[-1:] if passes else [q8, DEAD_CODE]
     passes = passes[:-1] + list(plugins.graph_passes()) + (extra_passes or []) + passes[-1:]
+    lora_sites: list[LoRASite] = []
+    if config.enable_lora:   # last before dead-code removal: one site per final linear
+        passes = _with_lora_pass(config, passes, lora_sites, dtype, device, registry)
     graph, report = run_passes(graph, passes, lambda op: registry.has_op(device.name, op))
     if config.packed_activations == "q8_0" and not graph.op_nodes(ops.linear_packed_q8act):
         raise ConfigError("packed_activations='q8_0' applies to packed weights (a GGUF file "
                           "with quantization auto, or quantization int8/q8_0/q4_0/q4_1); "
                           "this model has none")
+    if config.enable_lora and not lora_sites:
+        raise ConfigError(f"enable_lora: model {spec.architecture!r} has no linear an adapter "
+                          "can target (q/k/v/o/gate/up/down projections of a Llama-style "
+                          "decoder layer)")
     graph.weights.update({name: _upload(device, w) for name, w in graph.weights.items()})
     n_bytes = weight_bytes(graph.weights)
     log.info("weights: %.1f MiB on %s%s", n_bytes / 2**20, device.name,
@@ -300,4 +310,21 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches, parallel,
-                       plugins.speculative_proposers())
+                       plugins.speculative_proposers(), lora_sites)
+
+
+def _with_lora_pass(config: EngineConfig, passes: list[GraphPass], sites: list[LoRASite],
+                    dtype: torch.dtype, device: DevicePlugin,
+                    registry: KernelRegistry) -> list[GraphPass]:
+    """`passes` with add_lora_sites before dead-code removal (its sites land in `sites`)."""
+    if not registry.has_op(device.name, "lora_add"):
+        raise ConfigError(f"enable_lora: device {device.name!r} has no lora_add kernel")
+
+    def add_sites(mg):
+        mg, found = add_lora_sites(mg, config.max_loras, config.max_lora_rank, dtype)
+        sites.extend(found)
+        return mg
+    lora = GraphPass("add_lora_sites", add_sites, ("lora_add",))
+    if passes and passes[-1].name == DEAD_CODE.name:
+        return passes[:-1] + [lora] + passes[-1:]
+    return passes + [lora]

@@ -36,6 +36,8 @@ from tessellm.engine.step_inputs import LaunchedStep
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.engine.stage_times import StageTimes
 from tessellm.errors import InvalidRequestError, TessellmError
+from tessellm.lora.manager import LoRAManager
+from tessellm.lora.request import LoRARequest
 from tessellm.parallel.group import ParallelGroupError
 from tessellm.request import FinishReason, Request, sample_ids
 from tessellm.sampling_params import SamplingParams
@@ -85,8 +87,8 @@ class LLMEngine:
             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=self.max_model_len, priority_levels=c.priority_levels,
             aging_interval_steps=c.aging_interval_steps, sla=sla,
-            preemption_mode=c.preemption_mode, num_host_blocks=parts.num_host_kv_blocks),
-            self.kv)
+            preemption_mode=c.preemption_mode, num_host_blocks=parts.num_host_kv_blocks,
+            max_loras=c.max_loras if c.enable_lora else 0), self.kv)
         self.runner = make_model_runner(parts)
         self.stats = StepStats()
         self.limits = RequestLimits(
@@ -101,6 +103,9 @@ class LLMEngine:
         spec = c.speculative_config
         self.speculator = None if spec is None else Speculator(
             spec, make_proposer(spec, parts, parts.proposers), self.max_model_len)
+        self.lora = None if not c.enable_lora else LoRAManager(
+            parts.lora_sites, parts.weights, c.max_loras, c.max_lora_rank,
+            c.max_cpu_loras or c.max_loras)
         self._in_flight: LaunchedStep | None = None
         self._in_flight_t0 = 0.0
         self._last_completed = 0.0
@@ -158,34 +163,39 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request; raises InvalidRequestError (nothing is queued then).
         `cache_salt`: only requests with the same salt share prefix-cache blocks.
         `priority`: 0 (most urgent, the default) .. priority_levels - 1; a waiting request
-        evicts running ones of a lower priority when the KV pool or the batch is full."""
+        evicts running ones of a lower priority when the KV pool or the batch is full.
+        `lora_request`: the LoRA adapter to run with (enable_lora; None: the base model)."""
         return self.add_request_group(prompt_token_ids, params, 1, request_id, cache_salt,
-                                      priority)[0]
+                                      priority, lora_request)[0]
 
     def add_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                           request_id: str | None = None, cache_salt: str | None = None,
-                          priority: int = 0) -> list[Request]:
+                          priority: int = 0, lora_request: LoRARequest | None = None
+                          ) -> list[Request]:
         """Validate and queue `n` samples of one prompt (n > 1: copy-on-write siblings that
         share the prompt's KV blocks and compute it once; see tessellm.scheduling.forks).
         Sample i has id sample_ids(base, n)[i] and, when params.seed is set, seed
         params.seed + i. Raises InvalidRequestError (nothing is queued then)."""
         self.validate(prompt_token_ids, params, priority, n, cache_salt)
         return self.queue_request_group(prompt_token_ids, params, n, request_id, cache_salt,
-                                        priority)
+                                        priority, lora_request)
 
     def queue_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                             request_id: str | None = None, cache_salt: str | None = None,
-                            priority: int = 0) -> list[Request]:
+                            priority: int = 0, lora_request: LoRARequest | None = None
+                            ) -> list[Request]:
         """Queue a request validated where it entered (the engine core's: by the server's
         front end, with the RequestLimits of `Ready`). Only its constraint is compiled here
         (InvalidRequestError for a spec the front end could not check without a tokenizer;
-        nothing is queued then)."""
+        nothing is queued then), and its adapter read if not cached (InvalidRequestError for
+        one that cannot be used)."""
         base = request_id or f"req-{next(self._ids)}"
         now = time.monotonic()
+        adapter = self._adapter(lora_request)
         constraint = self._constraint(params)
         requests = [
             Request(rid, list(prompt_token_ids),
@@ -193,13 +203,24 @@ class LLMEngine:
                     now, eos_token_ids=self.parts.eos_token_ids, cache_salt=cache_salt,
                     priority=priority,
                     constraint=constraint if constraint is None or n == 1
-                    else constraint.fork())
+                    else constraint.fork(), adapter=adapter)
             for i, rid in enumerate(sample_ids(base, n))]
+        if adapter is not None:
+            self.lora.count(adapter.name, len(prompt_token_ids), requests=n)
         if n == 1:
             self.scheduler.add_request(requests[0])
         else:
             self.scheduler.add_request_group(requests[0], requests[1:])
         return requests
+
+    def _adapter(self, lora_request: LoRARequest | None):
+        """The loaded adapter of a request (None: the base model)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is "
+                                      "off)", "lora_request")
+        return self.lora.adapter_for(lora_request)
 
     def abort(self, request_id: str) -> None:
         self.finish_requests([request_id], FinishReason.ABORT)
@@ -211,10 +232,16 @@ class LLMEngine:
         return self._release(self.scheduler.finish_requests(request_ids, reason))
 
     def _release(self, finished: list[Request]) -> list[Request]:
-        """Finished requests drop what speculation holds for them; returns `finished`."""
+        """Finished requests drop what speculation holds for them (and count their tokens
+        per adapter); returns `finished`."""
         if self.speculator is not None:
             for request in finished:
                 self.speculator.release(request)
+        if self.lora is not None:
+            for request in finished:
+                if request.adapter is not None:
+                    self.lora.count(request.adapter.name,
+                                    generated_tokens=len(request.output_token_ids))
         return finished
 
     def has_unfinished(self) -> bool:
@@ -291,6 +318,8 @@ class LLMEngine:
         its requests (StepError, or ParallelGroupError when fatal); `previous`, a step in
         flight, still completes first."""
         try:
+            if self.lora is not None:   # the step's adapters into device slots
+                self.lora.assign([s.request for s in out.scheduled])
             launched = self.runner.launch(out, self.kv, previous)
         except Exception as exc:
             error = self._fail_step(out, exc)

@@ -16,6 +16,7 @@ import torch
 from tessellm.config import EngineConfig
 from tessellm.device import DevicePlugin
 from tessellm.graph.plan import KV_CACHE_FEED, ExecutionPlan
+from tessellm.lora.sites import LORA_SLOTS_FEED
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.models.spec import ModelSpec
 
@@ -55,6 +56,8 @@ def profile_forward(plan: ExecutionPlan, spec: ModelSpec, config: EngineConfig,
         scratch = (2, 1, spec.num_kv_heads, bs, spec.head_dim)
         feeds.update({KV_CACHE_FEED.format(layer=i): torch.zeros(scratch, dtype=dtype, device=dev)
                       for i in range(spec.num_layers)})
+        if LORA_SLOTS_FEED in plan.inputs:   # every row through slot 0: the LoRA terms' peak
+            feeds[LORA_SLOTS_FEED] = torch.zeros(T, dtype=torch.int64, device=dev)
         plan.run(feeds)
 
     return run

@@ -24,6 +24,9 @@ decode row of N+1 whose token is still pending (sampled by N, not read back) tak
 id from N's device tensor: the staged id is a placeholder and, after the upload and before
 the plan, the compute stream overwrites those rows with N's ids (`index_copy_`).
 
+LoRA (a plan with the `lora_slots` input, tessellm.lora.sites): every token row's adapter
+slot (-1: base model; padding rows too) is staged and fed like the positions.
+
 Tensor parallelism: the leader sends each step's BlockOps and its forward rows with the block
 table (parallel.messages.Batch) to the other ranks, which replay them (`run_block_ops`,
 `run_rows`); a single device never builds those messages.
@@ -53,6 +56,7 @@ from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, S
                                      TokenLogprobs, TokenMasks, prompt_logprobs_of)
 from tessellm.graph.plan import KV_CACHE_FEED, STEP_FEEDS, ExecutionPlan
 from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.lora.sites import LORA_SLOTS_FEED
 from tessellm.parallel.group import ControlChannel
 from tessellm.parallel.messages import Batch, BlockOps
 from tessellm.request import Request
@@ -86,7 +90,7 @@ class SamplerKernels:
 
 
 def _buffer_shapes(limits: RunnerLimits, overlap: bool,
-                   token_masks: StepMasks | None, staged_masks: bool) -> dict:
+                   token_masks: StepMasks | None, staged_masks: bool, lora: bool) -> dict:
     T, B, W = limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
     shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
               "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
@@ -98,6 +102,8 @@ def _buffer_shapes(limits: RunnerLimits, overlap: bool,
         shapes.update(feed_rows=((B,), torch.int64), feed_src=((B,), torch.int64))
     if token_masks is not None and staged_masks:
         shapes[TOKEN_BITMASK] = ((B * token_masks.words,), torch.int32)
+    if lora:
+        shapes[LORA_SLOTS_FEED] = ((T,), torch.int64)
     return shapes
 
 
@@ -123,8 +129,9 @@ class ModelRunner:
         # pageable copy on CUDA would wait for every queued kernel. Not on static-shape devices
         # (a compiled slice per row count) nor on the plain CPU path (nothing to copy there).
         self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
+        self.lora = LORA_SLOTS_FEED in plan.inputs   # a LoRA engine: each token's slot is fed
         self.staging = InputStaging(device, _buffer_shapes(limits, overlap, token_masks,
-                                                           self._stages),
+                                                           self._stages, self.lora),
                                     readback_rows=limits.max_num_seqs, sets=2 if overlap else 1)
         stage = self.staging.stage_small if self._stages else None
         self.sampler = Sampler(sampler_kernels.sample, stage, sampler_kernels.greedy,
@@ -199,6 +206,7 @@ class ModelRunner:
         n = len(s.query_lens)
         tables_np = self.staging.host_bufs["block_tables"].numpy()
         ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
+        lora_slots = s.lora_slots if self.lora else []
         seq_lens, query_lens = s.seq_lens, s.query_lens
         logits_idx = s.all_logits_indices or [0]
         num_decodes = s.num_decodes
@@ -213,6 +221,8 @@ class ModelRunner:
             extra_tokens, extra_seqs = pad.num_tokens - len(ids), pad.num_seqs - n
             ids, pos = ids + [0] * extra_tokens, pos + [0] * extra_tokens
             slots = slots + [-1] * extra_tokens
+            if self.lora:
+                lora_slots = lora_slots + [-1] * extra_tokens
             if pad.decode:   # padding decodes: one token each over the null block
                 seq_lens, query_lens = seq_lens + [1] * extra_seqs, query_lens + [1] * extra_seqs
                 num_decodes = pad.num_seqs
@@ -222,7 +232,7 @@ class ModelRunner:
             logits_idx = s.logits_indices + [0] * (pad.num_seqs - len(s.logits_indices))
         return ForwardRows(ids, pos, slots, seq_lens, query_lens, logits_idx, num_decodes, rows,
                            width, None if pad is None else (pad.num_tokens, pad.num_seqs,
-                                                             pad.decode))
+                                                             pad.decode), lora_slots)
 
     def run_rows(self, b: ForwardRows, swapped_in: Event | None,
                  feed: tuple[list[int], list[int], torch.Tensor] | None = None,
@@ -244,6 +254,8 @@ class ModelRunner:
             "logits_indices": b.logits_indices}
         if feed is not None:
             values.update(feed_rows=feed[0], feed_src=feed[1])
+        if self.lora:
+            values[LORA_SLOTS_FEED] = b.lora_slots or [-1] * len(b.token_ids)
         dev, uploaded = self.staging.upload(values)
         if feed is not None:   # compute stream, after the upload: the pending ids
             ids = self.staging.dev_bufs["input_ids"]
@@ -259,6 +271,8 @@ class ModelRunner:
         feeds = dict(zip(STEP_FEEDS, (dev["input_ids"], dev["positions"], meta,
                                       dev["logits_indices"])))
         feeds.update({KV_CACHE_FEED.format(layer=i): c for i, c in enumerate(self.kv_caches)})
+        if self.lora:
+            feeds[LORA_SLOTS_FEED] = dev[LORA_SLOTS_FEED]
         if swapped_in is not None:
             self.blocks.swapper.wait_for_compute(swapped_in)
         pad = None if b.pad is None else self.shapes.step_padding(*b.pad)

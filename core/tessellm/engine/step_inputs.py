@@ -50,6 +50,7 @@ class ForwardRows:
     rows: int
     width: int
     pad: tuple[int, int, bool] | None = None
+    lora_slots: list[int] = field(default_factory=list)   # per token row (LoRA engines)
 
 
 def bucket_at_least(buckets: Sequence[int], n: int) -> int | None:
@@ -80,6 +81,7 @@ class StepInputs:
     # request (request, first prompt position, how many positions) in that order
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)   # per token row: its adapter's slot
 
     @property
     def all_logits_indices(self) -> list[int]:
@@ -136,7 +138,8 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     decode rows, one token each at positions start..start+d, row j attending to the first
     start + j + 1 positions of the same block table (the step writes every row's KV before
     any row attends, so row j sees the drafts before it): a verify step is a decode step of
-    more rows, on the decode kernels and programs. Each row is sampled (sample_offsets j)."""
+    more rows, on the decode kernels and programs. Each row is sampled (sample_offsets j).
+    Every token row carries its request's LoRA slot (request.lora_slot, -1: none)."""
     s = StepInputs()
     for sched in out.scheduled:
         r, n, drafts = sched.request, sched.num_tokens, sched.draft_token_ids
@@ -159,6 +162,7 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
                 s.prompt_rows += range(row0 + first, row0 + last)
                 s.prompt_spans.append((r, first, last - first))
         s.token_ids += r.token_ids_slice(start, stop)
+        s.lora_slots += [r.lora_slot] * n
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)
         s.block_tables.append(kv.block_table_view(r.request_id))
@@ -186,6 +190,7 @@ def _verify_rows(s: StepInputs, r: Request, drafts: Sequence[int], start: int,
     first = len(s.token_ids)
     s.token_ids += r.token_ids_slice(start, start + 1)
     s.token_ids += drafts
+    s.lora_slots += [r.lora_slot] * count
     s.positions += range(start, start + count)
     s.slot_mapping += kv.slot_mapping(r, start, start + count)
     s.block_tables += [table] * count

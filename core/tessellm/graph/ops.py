@@ -96,6 +96,10 @@ def sigmoid_gate(gate_logits, y):
     return ref.sigmoid_gate(gate_logits, y)
 
 
+def lora_add(x, y, lora_a, lora_b, lora_slots):
+    return ref.lora_add(x, y, lora_a, lora_b, lora_slots)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
               meta: AttentionMetadata, scale: float, sliding_window: int = 0,
               logit_softcap: float = 0.0) -> torch.Tensor:
@@ -178,7 +182,7 @@ DEVICE_OPS: dict[Callable, str] = {
         fused_add_rms_norm, layer_norm, add, mul, silu,
         silu_and_mul, gelu_tanh, mul_scalar, logit_softcap,
         rotary_embedding, moe_router, fused_moe, fused_moe_packed,
-        sigmoid_gate)
+        sigmoid_gate, lora_add)
 }
 COMPOSITE_OPS: dict[Callable, tuple[str, ...]] = {
     attention: ("write_kv_cache", "attention_decode", "attention_prefill"),

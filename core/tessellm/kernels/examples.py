@@ -258,6 +258,12 @@ def make_example(query: KernelQuery, dev: str,
         return bitmask_example(T, d["vocab"], dt, dev, gen)
     if op in MOE_OPS:
         return moe_example(query, dev, gen, memo)
+    if op == "lora_add":   # every slot present, and base-model rows (-1)
+        S, R, i, o = d["slots"], d["rank"], d["in_features"], d["out_features"]
+        slots = torch.randint(-1, S, (T,), generator=gen)
+        return [_randn(gen, (T, i), dt, dev), _randn(gen, (T, o), dt, dev),
+                _randn(gen, (S, R, i), dt, dev, i ** -0.5),
+                _randn(gen, (o, S, R), dt, dev, R ** -0.5), slots.to(dev)]
     raise KernelError(f"no example inputs defined for op {op!r}")
 
 

@@ -4,7 +4,8 @@ REQUIRED_OPS: the unfused ops of the built-in architectures' graphs; a device wi
 them cannot run some model (lowering names the op). OPTIONAL_OPS: the fusion targets (the
 passes fuse only where the device has the fused op), the packed-weight ops (without them a
 GGUF file's tensors are dequantized at load and `quantization` / `packed_activations` are
-refused), and the sampler's kernels (the reference op runs otherwise). Together they are every
+refused), the sampler's kernels (the reference op runs otherwise) and `lora_add` (without it
+enable_lora is refused). Together they are every
 op with a reference (kernels.reference.REFERENCE_OPS; a test keeps them so).
 """
 from __future__ import annotations
@@ -17,4 +18,4 @@ REQUIRED_OPS = frozenset({
 OPTIONAL_OPS = frozenset({
     "fused_add_rms_norm", "silu_and_mul",
     "embedding_packed", "linear_packed", "linear_packed_q8act", "fused_moe_packed",
-    "sample_tokens", "greedy_tokens", "apply_token_bitmask"})
+    "sample_tokens", "greedy_tokens", "apply_token_bitmask", "lora_add"})

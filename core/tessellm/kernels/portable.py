@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.reference import apply_token_bitmask  # noqa: F401  (portable as it is:
 #   no host reads, a boolean mask of the logits' own shape)
+from tessellm.kernels.portable_lora import lora_add_dense_slots  # noqa: F401
 from tessellm.kernels.portable_moe import fused_moe_dense, fused_moe_packed_dense  # noqa: F401
 from tessellm.kernels.reference_moe import moe_router, sigmoid_gate  # noqa: F401  (portable
 #   as they are: topk and elementwise math of fixed shapes)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tessellm.kernels.attention_metadata import AttentionMetadata
+from tessellm.kernels.reference_lora import lora_add
 from tessellm.kernels.reference_moe import fused_moe, fused_moe_packed, moe_router, sigmoid_gate
 from tessellm.quant.formats import PackedWeight, dequantize
 
@@ -326,4 +327,5 @@ REFERENCE_OPS = {
     "fused_moe": fused_moe,
     "fused_moe_packed": fused_moe_packed,
     "sigmoid_gate": sigmoid_gate,
+    "lora_add": lora_add,
 }

@@ -32,6 +32,11 @@ prefix-cache hit (computed = the tokens the hit covers) are that one rule. A req
 prompt logprobs is granted at most PROMPT_LOGITS_CHUNK tokens a step, so one step's prompt
 logits stay that many rows of the vocabulary.
 
+LoRA (max_loras > 0): a waiting request whose adapter is not among the running requests'
+adapters is admitted only while fewer than max_loras distinct adapters run (the device's
+slot table holds that many); otherwise admission stops for the step as for a full pool, so
+the steps' adapters always fit the table.
+
 Speculation: a decoding request with draft tokens (request.draft_token_ids, set by
 tessellm.speculative before the step) is granted its last token plus as many drafts as the
 budget leaves (an entry of 1 + d tokens, scheduled with the non-decodes); drafts whose blocks
@@ -84,11 +89,12 @@ def _running_key(ticket: Ticket) -> tuple[int, int]:
 
 class BatchScheduler:
     __slots__ = ("kv", "requests", "max_num_batched_tokens", "running", "_preempt",
-                 "_prefix_stats", "swap")
+                 "_prefix_stats", "swap", "max_loras")
 
     def __init__(self, kv: KVCacheManager, requests: RequestScheduler,
                  max_num_batched_tokens: int, preempt: Callable[[Request], None],
-                 prefix_stats: PrefixCacheStats, swap: SwapSpace | None = None) -> None:
+                 prefix_stats: PrefixCacheStats, swap: SwapSpace | None = None,
+                 max_loras: int = 0) -> None:
         self.kv = kv
         self.requests = requests
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -96,6 +102,7 @@ class BatchScheduler:
         self._preempt = preempt           # releases a victim's KV (recompute or swap)
         self._prefix_stats = prefix_stats
         self.swap = swap                  # swap mode: where swapped-out requests' KV is
+        self.max_loras = max_loras        # LoRA: distinct adapters running at most (0: off)
 
     def schedule(self, max_num_seqs: int) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -175,6 +182,8 @@ class BatchScheduler:
         """Admit `cand` at level `eff`, evicting running requests of a worse level if that
         makes room. Returns the tokens granted, or -1 (nothing changed) when it cannot run."""
         request, running, kv = cand.request, self.running, self.kv
+        if request.lora_int_id and not self._adapter_fits(request.lora_int_id):
+            return -1
         swapped = self.swap is not None and self.swap.is_swapped(request.request_id)
         if swapped:   # resumes from its kept computed tokens, into new blocks
             hits, num_hit_tokens = [], request.num_computed_tokens
@@ -207,6 +216,13 @@ class BatchScheduler:
         cand.level = eff
         bisect.insort(running, cand, key=_running_key)
         return n
+
+    def _adapter_fits(self, lora_int_id: int) -> bool:
+        """Whether a request of this adapter may run: its adapter already runs, or fewer
+        than max_loras distinct adapters do (the device slot table's size)."""
+        running = {t.request.lora_int_id for t in self.running}
+        running.discard(0)
+        return lora_int_id in running or len(running) < self.max_loras
 
     def _lower_than(self, level: int) -> list[Ticket]:
         """Running requests of a level worse than `level`: the tail of `running`."""

@@ -16,7 +16,9 @@ class SchedulerConfig:
     """priority_levels: request priorities are 0 (most urgent) .. priority_levels - 1.
     aging_interval_steps: steps per level of aging (0: no aging; low priority may starve).
     sla: the SLA batch-sizing policy (None: off, the cap is max_num_seqs).
-    preemption_mode: "recompute" or "swap"; num_host_blocks: the host pool for swap mode."""
+    preemption_mode: "recompute" or "swap"; num_host_blocks: the host pool for swap mode.
+    max_loras: with LoRA, at most this many distinct adapters run at once (the device's
+    slot table); 0 when the engine serves no adapter."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -26,6 +28,7 @@ class SchedulerConfig:
     sla: SLAConfig | None = None
     preemption_mode: str = "recompute"
     num_host_blocks: int = 0
+    max_loras: int = 0   # LoRA: most distinct adapters among running requests (0: no LoRA)
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tessellm.plugin_api import Kernel, KernelQuery, WeightLayout, portable, reference
-from tessellm_cpu import attention, moe
+from tessellm_cpu import attention, lora, moe
 from tessellm_cpu.native_build import NativeBuildError
 from tessellm_cpu.native_team import TeamKernelC
 
@@ -277,4 +277,8 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
           "tokens sorted by expert, one GEMM pair per chosen expert"),
         moe_packed_kernel(device, not_offered, amx),
         k("sigmoid_gate", "sigmoid_gate_torch", reference.sigmoid_gate),
+        k("lora_add", "lora_add_grouped", lora.lora_add_grouped,
+          "rows gathered per adapter, one GEMM pair per adapter present"),
+        k("lora_add", "lora_add_dense_slots", portable.lora_add_dense_slots,
+          "every slot for every row, a one-hot mask per row"),
     ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered, amx_missing)

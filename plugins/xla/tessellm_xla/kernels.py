@@ -41,4 +41,6 @@ def xla_kernels(device: str) -> list[Kernel]:
         k("sigmoid_gate", "sigmoid_gate_xla", portable.sigmoid_gate),
         k("apply_token_bitmask", "token_bitmask_xla", portable.apply_token_bitmask,
           "bits by AND with 32 one-bit words, masked_fill_ (static shapes)"),
+        k("lora_add", "lora_add_dense_slots_xla", portable.lora_add_dense_slots,
+          "every slot for every row, a one-hot mask (static shapes)"),
     ]

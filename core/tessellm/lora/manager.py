@@ -1,0 +1,93 @@
+"""LoRAManager: the engine core's part of multi-LoRA serving.
+
+- `adapter_for(lora_request)` at admission: the adapter from the host cache, else read from
+  its path and checked against the base model (a LoRAError becomes an InvalidRequestError, so
+  nothing is queued); the Request keeps a reference to it, so the cache (an LRU of
+  max_cpu_loras adapters) may drop it while the request lives without a reload.
+- `assign(scheduled)` before each step: every scheduled request's adapter gets a slot of the
+  device table (tessellm.lora.slots) and `request.lora_slot` says which (-1: base model).
+- per-adapter counters (requests, prompt and generated tokens) for /metrics.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from tessellm.errors import InvalidRequestError
+from tessellm.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from tessellm.lora.request import LoRARequest
+from tessellm.lora.sites import LoRASite, module_shapes
+from tessellm.lora.slots import LoRASlotTable
+
+
+@dataclass(slots=True)
+class AdapterCounts:
+    requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class LoRAManager:
+    def __init__(self, sites: list[LoRASite], weights: dict[str, torch.Tensor],
+                 max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.shapes = module_shapes(sites)
+        self.slots = LoRASlotTable(sites, weights, max_loras, max_rank)
+        self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.counts: dict[str, AdapterCounts] = {}
+
+    @property
+    def max_loras(self) -> int:
+        return self.slots.num_slots
+
+    def adapter_for(self, request: LoRARequest) -> LoRAAdapter:
+        """The loaded adapter of `request` (read and checked if not cached); raises
+        InvalidRequestError (param "lora_request") when it cannot be used."""
+        if not isinstance(request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got "
+                                      f"{type(request).__name__}", "lora_request")
+        cached = self._cache.get(request.lora_int_id)
+        if cached is not None:
+            if cached.name != request.lora_name:
+                raise InvalidRequestError(
+                    f"lora_int_id {request.lora_int_id} is adapter {cached.name!r}, not "
+                    f"{request.lora_name!r}: give new adapters new ids", "lora_request")
+            self._cache.move_to_end(request.lora_int_id)
+            return cached
+        try:
+            adapter = load_adapter(request, self.shapes, self.max_rank)
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), "lora_request") from None
+        self._cache[adapter.int_id] = adapter
+        while len(self._cache) > self.max_cpu_loras:
+            self._cache.popitem(last=False)
+        return adapter
+
+    def preload(self, requests: Iterable[LoRARequest]) -> None:
+        for request in requests:
+            self.adapter_for(request)
+
+    def unload(self, lora_int_id: int) -> None:
+        """Drop an adapter from the host cache and the slot table (requests that hold it
+        keep their reference and reload it into a slot when scheduled)."""
+        self._cache.pop(lora_int_id, None)
+        self.slots.evict(lora_int_id)
+
+    def assign(self, requests: Iterable) -> None:
+        """Slots for the adapters of a step's requests (`request.adapter`, None: base)."""
+        with_adapter = [r for r in requests if r.adapter is not None]
+        slot_of = self.slots.assign({r.adapter.int_id: r.adapter
+                                     for r in with_adapter}.values())
+        for r in requests:
+            r.lora_slot = -1 if r.adapter is None else slot_of[r.adapter.int_id]
+
+    def count(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0,
+              requests: int = 0) -> None:
+        c = self.counts.setdefault(name, AdapterCounts())
+        c.requests += requests
+        c.prompt_tokens += prompt_tokens
+        c.generated_tokens += generated_tokens

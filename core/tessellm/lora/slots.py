@@ -1,0 +1,82 @@
+"""The device slot table: max_loras entries, each holding one adapter's weights at every
+site (tessellm.lora.sites states the layout).
+
+`assign(adapters)` gives every adapter of a step a slot before the step runs: one already
+resident keeps its slot; a new one takes a free slot, else the least recently used slot whose
+adapter is not in the step, and is written there (each site's slot zeroed, then its parts'
+A and B copied in). The scheduler admits at most max_loras distinct adapters among running
+requests, so a step never needs more slots than exist (`assign` raises if it does). Loading
+is a copy of the adapter's few MB into the table: a step pays it only when it has a new
+adapter, and the rows of other adapters read their own slots, untouched by it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from tessellm.errors import TessellmError
+from tessellm.lora.adapter import LoRAAdapter
+from tessellm.lora.sites import LoRASite
+
+
+class LoRASlotTable:
+    def __init__(self, sites: list[LoRASite], weights: dict[str, torch.Tensor],
+                 max_loras: int, max_rank: int) -> None:
+        self.sites = sites
+        self.max_rank = max_rank
+        self.num_slots = max_loras
+        self._tables = [(s, weights[s.a_name], weights[s.b_name]) for s in sites]
+        self._resident: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
+        self.num_loads = 0
+
+    def slot_of(self, adapter_id: int) -> int | None:
+        return self._resident.get(adapter_id)
+
+    @property
+    def resident(self) -> list[int]:
+        return list(self._resident)
+
+    def assign(self, adapters: Iterable[LoRAAdapter]) -> dict[int, int]:
+        """Slots for the step's adapters (adapter id -> slot), loading the missing ones."""
+        wanted = {a.int_id: a for a in adapters}
+        if len(wanted) > self.num_slots:
+            raise TessellmError(f"a step has {len(wanted)} adapters, the slot table holds "
+                                f"{self.num_slots} (max_loras)")
+        for adapter_id in wanted:
+            if adapter_id in self._resident:
+                self._resident.move_to_end(adapter_id)
+        for adapter_id, adapter in wanted.items():
+            if adapter_id not in self._resident:
+                self._resident[adapter_id] = self._free_slot(wanted)
+                self._write(self._resident[adapter_id], adapter)
+        return {i: self._resident[i] for i in wanted}
+
+    def _free_slot(self, keep: dict[int, LoRAAdapter]) -> int:
+        used = set(self._resident.values())
+        for slot in range(self.num_slots):
+            if slot not in used:
+                return slot
+        victim = next(i for i in self._resident if i not in keep)   # LRU first
+        return self._resident.pop(victim)
+
+    def evict(self, adapter_id: int) -> None:
+        """Forget a resident adapter (unloaded): its slot is free for the next one."""
+        self._resident.pop(adapter_id, None)
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        R = self.max_rank
+        for site, a_table, b_table in self._tables:
+            a_table[slot].zero_()
+            b_table[:, slot].zero_()
+            for p, part in enumerate(site.parts):
+                ab = adapter.weights.get((site.layer, part.module))
+                if ab is None:
+                    continue
+                a, b = ab
+                r = a.shape[0]
+                a_table[slot, p * R:p * R + r].copy_(a)
+                rows = slice(part.out_offset, part.out_offset + part.out_features)
+                b_table[rows, slot, p * R:p * R + r].copy_(b)
+        self.num_loads += 1
