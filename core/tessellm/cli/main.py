@@ -207,7 +207,7 @@ def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
                     "chat_template", "drain_timeout_s", "request_timeout_s",
                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "header_timeout_s",
                     "body_timeout_s", "keepalive_timeout_s", "max_connections",
-                    "tool_call_parser")
+                    "tool_call_parser", "grpc_port", "otlp_traces_endpoint")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
     return load_configs(a.config, overrides)
@@ -307,6 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", default=None,
                    help="tool-call format: hermes, llama3_json, mistral or a plugin's (default: "
                         "the one the chat template implies; hermes for the generic prompt)")
+    s.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve gRPC (Generate, Abort, Health, Models) on this port "
+                        "(0: a free one); needs tessellm[grpc]")
+    s.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry span per request to this OTLP endpoint; "
+                        "needs tessellm[otel]")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

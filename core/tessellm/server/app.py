@@ -15,12 +15,12 @@ The engine and the dashboard's history sampler are started when the app starts a
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from tessellm.server.api_key import api_key_error
 from tessellm.server.chat import create_chat_completion
 from tessellm.server.completions import create_completion
 from tessellm.server.connections import ConnectionGuard
@@ -36,6 +36,7 @@ from tessellm.server.requests import (
     echo_id,
     new_request_id,
 )
+from tessellm.server.service_info import draining_error, health_error, model_cards
 from tessellm.server.state import ServerState
 from tessellm.server.web_ui import add_web_ui
 
@@ -90,44 +91,26 @@ async def _in_context(request: web.Request, handler: Handler) -> web.StreamRespo
 async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path.startswith(("/v1/", "/api/")):
         state = request.app[STATE_KEY]
-        if state.draining and request.path.startswith("/v1/"):
-            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
-        key = state.config.api_key
-        if key is not None:
-            given = request.headers.get("Authorization", "")
-            expected = f"Bearer {key.get_secret_value()}"
-            # aiohttp keeps undecodable header bytes as surrogate escapes: compare the bytes
-            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
-                                       expected.encode()):
-                raise APIError(401, "missing or incorrect API key: send 'Authorization: "
-                               "Bearer <key>'", code="invalid_api_key",
-                               headers={"WWW-Authenticate": "Bearer"})
+        draining = draining_error(state)
+        if draining is not None and request.path.startswith("/v1/"):
+            raise draining
+        error = api_key_error(state.config, request.headers.get("Authorization", ""))
+        if error is not None:
+            raise error
     return await handler(request)
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the engine core runs and reports in time; 503 once it died, while it is
-    unresponsive (CoreLiveness), or while the server is draining."""
-    state = request.app[STATE_KEY]
-    engine = state.engine
-    if state.draining:
-        raise APIError(503, "the server is shutting down", type="service_unavailable",
-                       code="shutting_down")
-    if not engine.is_alive:
-        raise APIError(503, f"the engine core is not running: {engine.fatal_error or 'exited'}",
-                       type="service_unavailable", code="engine_unavailable")
-    reason = engine.unresponsive_reason
-    if reason is not None:
-        raise APIError(503, f"the engine core is unresponsive: {reason}",
-                       type="service_unavailable", code="engine_unresponsive")
+    """200 while the engine core runs and reports in time; 503 otherwise
+    (service_info.health_error)."""
+    error = health_error(request.app[STATE_KEY])
+    if error is not None:
+        raise error
     return web.json_response({"status": "ok"})
 
 
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    return web.json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": state.created,
-        "owned_by": "tessellm", "max_model_len": state.max_model_len}]})
+    return web.json_response({"object": "list", "data": model_cards(request.app[STATE_KEY])})
 
 
 async def metrics(request: web.Request) -> web.Response:

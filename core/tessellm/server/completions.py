@@ -15,12 +15,14 @@ from typing import Any
 from aiohttp import web
 
 from tessellm.engine.output_processor import StreamDelta
+from tessellm.sampling_params import SamplingParams
 from tessellm.server.errors import bad_request
 from tessellm.server.generation import ChoiceResult, respond
 from tessellm.server.logprobs import CompletionLogprobs, TokenTexts
 from tessellm.server.params import check_limits, resolve_max_tokens, sampling_params
 from tessellm.server.protocol import CompletionRequest
 from tessellm.server.requests import read_body, request_context
+from tessellm.server.state import ServerState
 from tessellm.server.structured import structured_outputs_of
 
 
@@ -99,9 +101,15 @@ class CompletionShape:
         return {**self._base, "choices": choices, "usage": usage}
 
 
-async def create_completion(request: web.Request) -> web.StreamResponse:
-    state, request_id, start = request_context(request)
-    req = await read_body(request, CompletionRequest)
+PromptGroup = tuple[list[int], SamplingParams, int]   # token ids, params of choice 0, n
+
+
+async def completion_groups(state: ServerState, req: CompletionRequest
+                            ) -> tuple[list[list[int]], list[PromptGroup]]:
+    """The checks of a validated completion request that need the server (model, limits,
+    constraint, prompt length), and what ServerState.submit takes: (each prompt's token ids,
+    the (token ids, params of choice 0, n) groups). Raises APIError; nothing is submitted.
+    The HTTP endpoint and the gRPC Generate both go through here."""
     state.check_model(req.model)
     prompts = req.prompts
     check_limits(req, state.config, len(prompts))
@@ -113,12 +121,20 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         if not p:
             raise bad_request("the prompt is empty", "prompt")
         token_lists.append(await state.encode(p) if isinstance(p, str) else list(p))
-    groups = []
+    groups: list[PromptGroup] = []
     for ids in token_lists:
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), state.max_model_len)
         params = sampling_params(req, max_tokens, req.logprobs, 0, constraint,
                                  prompt_logprobs=req.logprobs if req.echo else None)
         groups.append((ids, params, req.n))
+    return token_lists, groups
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state, request_id, start = request_context(request)
+    req = await read_body(request, CompletionRequest)
+    prompts = req.prompts
+    token_lists, groups = await completion_groups(state, req)
     echo = first_tokens = None
     if req.echo:
         texts = [p if isinstance(p, str) else await state.decode(p) for p in prompts]

@@ -62,7 +62,7 @@ class ResponseShape(Protocol):
     def response(self, results: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]: ...
 
 
-def _timer_reason(delta: StreamDelta) -> str:
+def timer_reason(delta: StreamDelta) -> str:
     return "error" if delta.finish_reason == "rejected" else delta.finish_reason or "stop"
 
 
@@ -120,7 +120,7 @@ async def _whole(request_id: str, streams: list[RequestStream], shape: ResponseS
             timers[k].on_tokens(len(d.token_ids))
             results[k].add(d)
             if d.finished:
-                timers[k].finish(_timer_reason(d))
+                timers[k].finish(timer_reason(d))
                 if d.finish_reason in FAILED:
                     log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
                     raise failure(d)
@@ -143,7 +143,7 @@ async def _stream(request: web.Request, request_id: str, streams: list[RequestSt
                     timers[k].on_tokens(len(d.token_ids))
                     outputs[k] = max(outputs[k], d.num_output_tokens)
                     if d.finished:
-                        timers[k].finish(_timer_reason(d))
+                        timers[k].finish(timer_reason(d))
                         if d.finish_reason in FAILED:
                             log.error("[%s] sequence %d failed: %s", request_id, k, d.error)
                             await writer.send(failure(d).body())

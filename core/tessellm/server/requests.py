@@ -33,15 +33,16 @@ def new_request_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-def client_request_id(value: str | None) -> str | None:
-    """The client's X-Request-Id when valid (printable ASCII, 1..128 chars), None when absent;
-    an invalid one is a 400 (silently replacing it would break the client's log joins). It is
-    echoed and logged, never used as the engine's request id: two clients may send the same."""
+def client_request_id(value: str | None, name: str = "X-Request-Id") -> str | None:
+    """The client's X-Request-Id (gRPC: `request_id`, named by `name`) when valid (printable
+    ASCII, 1..128 chars), None when absent; an invalid one is a 400 (silently replacing it
+    would break the client's log joins). It is echoed and logged, never used as the engine's
+    request id: two clients may send the same."""
     if value is None:
         return None
     if not 0 < len(value) <= MAX_REQUEST_ID_LEN or not (value.isascii() and value.isprintable()):
-        raise bad_request(f"X-Request-Id must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
-                          f"characters", "X-Request-Id")
+        raise bad_request(f"{name} must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
+                          f"characters", name)
     return value
 
 

@@ -3,6 +3,8 @@
 Shutdown order (SIGTERM or SIGINT): new /v1 requests get 503 and the listening socket closes;
 in-flight requests get up to `drain_timeout_s` to finish; the rest are aborted (streams get
 an error event, waiting clients a 503), the engine core stops, connections close; exit 0.
+With --grpc-port the gRPC service (server/grpc) runs on the same event loop over the same
+ServerState: it drains with HTTP and is closed after the engine stopped.
 When the engine core dies instead, every open stream ends with an error at once, /health
 answers 503, and the server exits with status 1 so that a supervisor restarts it.
 Binds 127.0.0.1 unless told otherwise; binding elsewhere without an API key logs a warning.
@@ -30,6 +32,7 @@ from tessellm.engine.core_liveness import LivenessConfig
 from tessellm.engine.startup_progress import StartupProgress
 from tessellm.server.app import create_app
 from tessellm.server.connections import ConnectionGuard, GuardedTCPSite, connection_cap
+from tessellm.server.grpc.server import grpc_address, load_grpc_service
 from tessellm.server.server_config import ServerConfig
 from tessellm.server.state import ServerState
 
@@ -88,6 +91,8 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
                 config: ServerConfig, chat_template: str | None = None,
                 core_entry: CoreEntry | None = None) -> int:
     loop = asyncio.get_running_loop()
+    # optional extras are checked before anything starts: a missing one is a start-up error
+    grpc_runner_class = load_grpc_service() if config.grpc_port is not None else None
     progress = StartupProgress()
     progress.stage("starting the engine core")
     core = EngineCoreClient.spawn(core_config, core_entry)
@@ -122,6 +127,15 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
         await runner.cleanup()
         raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e}") from e
     port = runner.addresses[0][1]
+    grpc_runner = None
+    if grpc_runner_class is not None:
+        grpc_runner = grpc_runner_class(state, config.host, config.grpc_port or 0)
+        try:
+            await grpc_runner.start()
+        except ConfigError:
+            await runner.cleanup()
+            raise
+        print(f"tessellm: gRPC on {grpc_address(config.host, grpc_runner.port)}", flush=True)
     if not _is_loopback(config.host) and config.api_key is None:
         log.warning("listening on %s without an API key: anyone who can reach it may use it",
                     config.host)
@@ -150,5 +164,7 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     state.draining = True
     await site.stop()
     await async_engine.shutdown(0.0 if core_died else config.drain_timeout_s)
+    if grpc_runner is not None:   # its calls ended with the engine's streams: flush, close
+        await grpc_runner.stop(CONNECTION_CLOSE_TIMEOUT_S)
     await runner.cleanup()
     return 1 if core_died else 0

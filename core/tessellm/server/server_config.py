@@ -23,7 +23,7 @@ API_KEY_ENV = "TESSELLM_API_KEY"
 
 
 class ServerConfig(BaseModel):
-    """Options of the HTTP server (the engine's live in EngineConfig)."""
+    """Options of the HTTP (and gRPC) server (the engine's live in EngineConfig)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -57,6 +57,12 @@ class ServerConfig(BaseModel):
     tool_call_parser: str | None = Field(None, description="tool-call format to parse and force "
                                          "(hermes, llama3_json, mistral, or a plugin's); "
                                          "default: the one the chat template implies")
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="also serve the gRPC "
+                                  "service (tessellm.proto) on this port of `host` (0: a free "
+                                  "one, printed); needs `tessellm[grpc]`")
+    otlp_traces_endpoint: str | None = Field(None, min_length=1, description="export one "
+                                             "OpenTelemetry span per request to this OTLP "
+                                             "endpoint; needs `tessellm[otel]`")
 
     @model_validator(mode="after")
     def _liveness_order(self) -> ServerConfig:
