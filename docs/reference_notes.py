@@ -77,6 +77,13 @@ ENGINE_NOTES = MappingProxyType({
     "sla_target_tokens_per_s": "SLA batch sizing: the cap grows while throughput is below this",
     "sla_window_steps": "SLA batch sizing: steps in the latency window",
     "sla_min_num_seqs": "SLA batch sizing: the cap never goes below this",
+    "enable_lora": "serve LoRA adapters (PEFT format) over the base model: requests name one "
+                   "(`LLM.generate(..., lora_request=LoRARequest(...))`, the server's `model` "
+                   "field); see Multi-LoRA",
+    "max_loras": "LoRA: most distinct adapters in one step (the device slot table); a request "
+                 "of another adapter waits until one of them has no running request",
+    "max_lora_rank": "LoRA: largest adapter rank accepted (every slot is this wide)",
+    "max_cpu_loras": "LoRA: loaded adapters kept on the host (LRU); default max_loras",
 })
 
 SERVER_NOTES = MappingProxyType({})

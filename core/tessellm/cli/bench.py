@@ -14,6 +14,9 @@ not finish it, so every request still generates output_len tokens). The report t
 the forward pass) and the part the sampler waited for (on the critical path), and the time to
 compile the schema cold and again from the cache (front end: validation; engine: a matcher).
 Compare with the same command without the option, in the same sitting.
+
+`--lora-adapters N --lora-rank R` (tessellm.cli.bench_lora): LoRA on, N random adapters of
+rank R, request i runs adapter i mod N; compare with the same command without them.
 """
 from __future__ import annotations
 
@@ -49,11 +52,16 @@ def _compile_times(llm: Any, spec: Any) -> dict[str, float]:
 
 def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     from tessellm import LLM, SamplingParams
+    from tessellm.cli.bench_lora import lora_options, random_adapters
     from tessellm.constraints.structured_outputs import StructuredOutputs
-    options = {"max_num_seqs": max(a.num_prompts, 1), "load_progress": False, **options}
+    options = {"max_num_seqs": max(a.num_prompts, 1), "load_progress": False,
+               **lora_options(a, options)}
     t0 = time.perf_counter()
     llm = LLM(a.model, **options)
     load_s = time.perf_counter() - t0
+    n_lora = getattr(a, "lora_adapters", 0) or 0
+    adapters = random_adapters(llm, n_lora, a.lora_rank) if n_lora > 0 else [None]
+    loras = [adapters[i % len(adapters)] for i in range(a.num_prompts)]
     llm.engine.parts.device.allocator().wait_committed()   # no page faults in timed steps
     vocab = llm.engine.parts.spec.vocab_size
     schema_path = getattr(a, "json_schema", None)
@@ -68,7 +76,8 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     if a.warmup_output_len > 0:  # other prompts than the timed ones (seed + 1000)
         llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 1000, vocab),
                      SamplingParams(max_tokens=a.warmup_output_len, temperature=0.0,
-                                    ignore_eos=True, structured_outputs=spec))
+                                    ignore_eos=True, structured_outputs=spec),
+                     lora_request=loras)
         bar.update()
     params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True,
                             structured_outputs=spec)
@@ -82,7 +91,7 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     for r in range(max(1, a.runs)):
         prompts = w1_prompts(a.num_prompts, a.input_len, a.seed + r, vocab)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, lora_request=loras)
         wall = time.perf_counter() - t0
         gen = sum(len(o.token_ids) for o in outs)
         prompt_tokens = sum(len(p) for p in prompts)
@@ -112,7 +121,8 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     if profiling:   # one more run, instrumented, not in the figures above
         from tessellm.engine.op_profile import OpProfile
         with OpProfile(llm.engine) as prof:
-            llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 2000, vocab), params)
+            llm.generate(w1_prompts(a.num_prompts, a.input_len, a.seed + 2000, vocab), params,
+                         lora_request=loras)
         profile = prof.report()
         bar.update()
     bar.close()
@@ -130,6 +140,8 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
         "total_tok_per_s": round(statistics.median(t for _, _, t in runs), 2),
         "prefix_hit_tokens": prefix.hits - hits0,
         "passes": parts.pass_report.applied,
+        "lora": {"adapters": n_lora, "rank": a.lora_rank,
+                 "slot_loads": llm.engine.lora.slots.num_loads} if n_lora > 0 else None,
         **({"collectives": collectives} if collectives is not None else {}),
         **({"constraint": constraint} if constraint is not None else {}),
         **({"profile": profile} if profile is not None else {}),

@@ -39,13 +39,14 @@ def resident_bytes() -> int | None:
 
 
 def one_stream(llm: Any, ids: list[int], output_len: int, ignore_eos: bool = True,
-               temperature: float = 0.0, seed: int | None = None) -> dict[str, float]:
+               temperature: float = 0.0, seed: int | None = None,
+               lora: Any = None) -> dict[str, float]:
     from tessellm import SamplingParams
     engine = llm.engine
     params = SamplingParams(max_tokens=output_len, temperature=temperature, seed=seed,
                             ignore_eos=ignore_eos)
     t0 = time.perf_counter()
-    req = engine.add_request(ids, params)
+    req = engine.add_request(ids, params, lora_request=lora)
     while not req.output_token_ids:
         engine.step()
     t1 = time.perf_counter()
@@ -82,13 +83,17 @@ def speculation_report(llm: Any) -> dict[str, Any] | None:
 def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
     from tessellm import LLM
     from tessellm.cli.copy_workload import copy_prompt_ids
-    options = {"max_num_seqs": 1, "load_progress": False, **speculation_options(a, options)}
+    from tessellm.cli.bench_lora import lora_options, random_adapters
+    options = {"max_num_seqs": 1, "load_progress": False,
+               **lora_options(a, speculation_options(a, options))}
     copy = getattr(a, "workload", "random") == "copy"
     t0 = time.perf_counter()
     llm = LLM(a.model, **options)
     load_s = time.perf_counter() - t0
     llm.engine.parts.device.allocator().wait_committed()   # no page faults in timed steps
     rss = resident_bytes()
+    n_lora = getattr(a, "lora_adapters", 0) or 0
+    lora = random_adapters(llm, 1, a.lora_rank)[0] if n_lora > 0 else None
     parts = llm.engine.parts
     high = min(32000, parts.spec.vocab_size)
     runs = []
@@ -101,7 +106,7 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
 
     for r in range(a.runs + 1):  # run 0 warms up (and profiles the buckets it meets)
         res = one_stream(llm, prompt(r), a.output_len, ignore_eos=not copy,
-                         temperature=a.temperature, seed=a.seed + r)
+                         temperature=a.temperature, seed=a.seed + r, lora=lora)
         if r:
             runs.append(res)
         bar.update()
@@ -113,7 +118,7 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         from tessellm.engine.op_profile import OpProfile
         with OpProfile(llm.engine) as prof:
             one_stream(llm, prompt(2000), a.output_len, ignore_eos=not copy,
-                       temperature=a.temperature, seed=a.seed + 2000)
+                       temperature=a.temperature, seed=a.seed + 2000, lora=lora)
         profile = prof.report()
         bar.update()
     bar.close()
@@ -130,5 +135,6 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         "kv_cache_bytes": sum(t.numel() * t.element_size() for t in parts.kv_caches),
         "rss_after_load_bytes": rss, **med, **per_run,
         "speculative": speculation_report(llm),
+        "lora_rank": a.lora_rank if lora is not None else None,
         **({"profile": profile} if profile is not None else {}),
     }

@@ -56,6 +56,12 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
                         '"num_speculative_tokens": 4}\' (prompt lookup)')
 
 
+def _lora_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="LoRA on with N random adapters, requests round-robin over them")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of --lora-adapters")
+
+
 def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
@@ -326,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup-output-len", type=int, default=4,
                    help="tokens per request of the warm-up run (on other prompts)")
     t.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
+    _lora_bench_args(t)
     t.add_argument("--json-schema", default=None, metavar="FILE",
                    help="constrain every request by this JSON schema (structured outputs); "
                         "e.g. docs/examples/bench/w1_schema.json")
@@ -340,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--output-len", type=int, default=128)
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up run")
+    _lora_bench_args(lt)
     lt.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (seed + run) instead of greedy")
     lt.add_argument("--workload", choices=["random", "copy"], default="random",

@@ -27,6 +27,7 @@ class AddRequest(msgspec.Struct, tag=True):
     priority: int = 0
     n: int = 1
     arrival: float = 0.0            # front end's time.monotonic()
+    lora: list[Any] | None = None   # LoRA: [name, int id, path] (None: the base model)
 
 
 class FinishRequests(msgspec.Struct, tag=True):
@@ -34,6 +35,13 @@ class FinishRequests(msgspec.Struct, tag=True):
 
     request_ids: list[str]
     reason: str = "abort"           # "abort" | "stop"
+
+
+class UnloadAdapter(msgspec.Struct, tag=True):
+    """Drop a LoRA adapter from the core's host cache and slot table (requests holding it
+    keep it until they finish)."""
+
+    lora_int_id: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -59,6 +67,8 @@ class Ready(msgspec.Struct, tag=True):
     max_num_seqs: int = 0           # the running batch's sequence cap (0: unknown)
     prompt_logprobs: bool = True    # False on a device whose steps have static shapes
     speculative_tokens: int = 0     # the engine's k (0: it does not speculate)
+    max_loras: int = 0              # LoRA: adapters running at once (0: LoRA is off)
+    max_lora_rank: int = 0
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -137,7 +147,7 @@ class StepOutputs(msgspec.Struct, tag=True):
     sent_at: float                            # core's time.time() when sent (IPC time)
 
 
-ToCore = AddRequest | FinishRequests | Shutdown
+ToCore = AddRequest | FinishRequests | UnloadAdapter | Shutdown
 FromCore = Ready | StartupFailed | CoreFailed | StepOutputs | Heartbeat
 
 

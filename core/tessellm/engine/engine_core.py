@@ -30,12 +30,13 @@ import zmq
 from tessellm.engine.core_messages import (AddRequest, Codec, CoreFailed, CoreStats,
                                            FinishRequests, Heartbeat, Ready, Shutdown,
                                            StartupFailed, StepOutputs, TokenDelta, ToCore,
-                                           params_from_wire)
+                                           UnloadAdapter, params_from_wire)
 from tessellm.engine.delta_tracker import DeltaTracker
 from tessellm.engine.kernel_warmup import prepare_kernels
 from tessellm.engine.startup_progress import StartupProgress
 from tessellm.engine.llm_engine import LLMEngine, StepError
 from tessellm.errors import TessellmError
+from tessellm.lora.request import LoRARequest
 from tessellm.plugin_spec import ENTRY_POINT_GROUP
 from tessellm.request import FinishReason, sample_ids
 
@@ -85,7 +86,9 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
                  kernel_choices=kernel_choices, plugin=plugin, plugin_version=plugin_version,
                  max_num_seqs=c.max_num_seqs,
                  prompt_logprobs=engine.limits.prompt_logprobs,
-                 speculative_tokens=engine.limits.speculative_tokens)
+                 speculative_tokens=engine.limits.speculative_tokens,
+                 max_loras=c.max_loras if c.enable_lora else 0,
+                 max_lora_rank=c.max_lora_rank if c.enable_lora else 0)
 
 
 class EngineCoreLoop:
@@ -124,14 +127,17 @@ class EngineCoreLoop:
             self.engine.finish_requests(known, reason)
         elif isinstance(message, AddRequest):
             self._add(message)
+        elif isinstance(message, UnloadAdapter) and self.engine.lora is not None:
+            self.engine.lora.unload(message.lora_int_id)
 
     def _add(self, m: AddRequest) -> None:
         try:
             # validated where it entered (the front end's RequestLimits); its constraint is
             # compiled here, where the tokenizer is
+            lora = None if m.lora is None else LoRARequest(*m.lora)
             requests = self.engine.queue_request_group(
                 m.prompt_token_ids, params_from_wire(m.params), m.n, request_id=m.request_id,
-                priority=m.priority)
+                priority=m.priority, lora_request=lora)
         except (TessellmError, TypeError, ValueError) as e:
             ids = sample_ids(m.request_id, m.n)
             reason = "rejected" if isinstance(e, TessellmError) else "error"

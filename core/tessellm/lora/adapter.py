@@ -15,7 +15,6 @@ the module's own rank <= max_lora_rank; every module an adapter names is in the 
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -23,17 +22,12 @@ from pathlib import Path
 
 import torch
 
-from tessellm.errors import TessellmError
+from tessellm.lora.adapter_config import (WEIGHTS_FILE, LoRAError, adapter_directory,
+                                          read_adapter_config)
 from tessellm.lora.request import LoRARequest
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])\.weight$")
-
-
-class LoRAError(TessellmError, ValueError):
-    """An adapter cannot be used with this engine (the message names the adapter and why)."""
 
 
 @dataclass(frozen=True)
@@ -47,51 +41,6 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for ab in self.weights.values() for t in ab)
-
-
-def adapter_directory(path: str) -> Path:
-    """A local directory, or the snapshot of a hub repo id (downloaded unless offline)."""
-    local = Path(path).expanduser()
-    if local.exists():
-        return local
-    from tessellm.models.hub import hub_offline, looks_like_repo_id
-    if not looks_like_repo_id(path):
-        raise LoRAError(f"adapter path {path!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-        return Path(snapshot_download(path, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE],
-                                      local_files_only=hub_offline(), library_name="tessellm"))
-    except Exception as e:   # any hub failure is this adapter's load error
-        raise LoRAError(f"adapter {path!r}: cannot get it from the Hugging Face Hub "
-                        f"({type(e).__name__}: {e})") from None
-
-
-def _read_config(directory: Path, name: str) -> dict:
-    try:
-        config = json.loads((directory / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise LoRAError(f"adapter {name!r}: {directory / CONFIG_FILE} not found") from None
-    except (OSError, ValueError) as e:
-        raise LoRAError(f"adapter {name!r}: cannot read {CONFIG_FILE}: {e}") from None
-    if not isinstance(config, dict):
-        raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
-    peft_type = config.get("peft_type", "LORA")
-    if peft_type != "LORA":
-        raise LoRAError(f"adapter {name!r}: peft_type {peft_type!r} is not LORA")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise LoRAError(f"adapter {name!r}: {key} is not supported")
-    if config.get("use_dora"):
-        raise LoRAError(f"adapter {name!r}: use_dora (DoRA) is not supported")
-    if config.get("bias", "none") != "none":
-        raise LoRAError(f"adapter {name!r}: bias={config['bias']!r} is not supported "
-                        "(only 'none')")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise LoRAError(f"adapter {name!r}: {CONFIG_FILE} needs a positive {key!r}, "
-                            f"got {value!r}")
-    return config
 
 
 def _read_tensors(directory: Path, name: str) -> dict[str, torch.Tensor]:
@@ -115,7 +64,7 @@ def load_adapter(request: LoRARequest, shapes: dict[tuple[int, str], tuple[int, 
     model's linears that can take one (tessellm.lora.sites.module_shapes)."""
     name = request.lora_name
     directory = adapter_directory(request.lora_path)
-    config = _read_config(directory, name)
+    config = read_adapter_config(directory, name)
     tensors = _read_tensors(directory, name)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
