@@ -29,7 +29,8 @@ from typing import Protocol
 from tessellm.engine.core_client import EngineCoreClient, EngineCoreError
 from tessellm.engine.core_liveness import CoreLiveness, LivenessConfig
 from tessellm.engine.core_messages import (AddRequest, CoreFailed, CoreStats, FinishRequests,
-                                           Heartbeat, StepOutputs, params_to_wire)
+                                           Heartbeat, StepOutputs, UnloadAdapter,
+                                           params_to_wire)
 from tessellm.engine.output_processor import OutputProcessor, StreamDelta
 from tessellm.engine.request_limits import RequestLimits
 from tessellm.errors import InvalidRequestError, TessellmError
@@ -71,11 +72,13 @@ class EngineObserver(Protocol):
 class RequestStream:
     """Async iterator over one request's StreamDeltas; closing it early aborts the request."""
 
-    def __init__(self, request_id: str, engine: "AsyncEngine") -> None:
+    def __init__(self, request_id: str, engine: "AsyncEngine", added_at: float = 0.0) -> None:
         self.request_id = request_id
         self._engine = engine
         self._queue: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self.finished = False
+        self.added_at = added_at   # time.monotonic() when admitted (the core's arrival)
+        self.queue_time_s: float | None = None   # arrival to first schedule, once reported
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -207,14 +210,17 @@ class AsyncEngine:
             self._admission_fault(step)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                    stop: list[str] | None = None, priority: int = 0) -> RequestStream:
+                    stop: list[str] | None = None, priority: int = 0,
+                    lora: tuple[str, int, str] | None = None) -> RequestStream:
         """Validate and send; raises InvalidRequestError, QueueFullError or EngineDeadError
-        (nothing is queued then)."""
-        return self.add_request_group(prompt_token_ids, params, 1, request_id, stop, priority)[0]
+        (nothing is queued then). `lora`: (name, int id, path) of a LoRA adapter."""
+        return self.add_request_group(prompt_token_ids, params, 1, request_id, stop, priority,
+                                      lora)[0]
 
     def add_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                           request_id: str, stop: list[str] | None = None,
-                          priority: int = 0) -> list[RequestStream]:
+                          priority: int = 0, lora: tuple[str, int, str] | None = None
+                          ) -> list[RequestStream]:
         """n samples of one prompt sharing its KV blocks (the prompt is computed once); stream
         i carries sample_ids(request_id, n)[i] (seed + i when a seed is set). Raises like
         add_request; nothing is queued then.
@@ -232,10 +238,11 @@ class AsyncEngine:
         self._fault("outputs")
         outputs = [self._outputs.prepare(list(prompt_token_ids), stop) for _ in ids]
         self._fault("encode")
+        arrival = time.monotonic()
         message = self.core.encode(AddRequest(request_id, list(prompt_token_ids),
-                                              params_to_wire(params), priority, n,
-                                              time.monotonic()))
-        streams = [RequestStream(rid, self) for rid in ids]
+                                              params_to_wire(params), priority, n, arrival,
+                                              None if lora is None else list(lora)))
+        streams = [RequestStream(rid, self, arrival) for rid in ids]
         try:
             self._fault("register")
             for rid, stream, output in zip(ids, streams, outputs):
@@ -259,6 +266,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send_finish([request_id], "abort")
 
+    def unload_adapter(self, lora_int_id: int) -> None:
+        """Tell the core to drop a LoRA adapter (its running requests keep it)."""
+        if self.core.alive:
+            try:
+                self.core.send(UnloadAdapter(lora_int_id))
+            except EngineCoreError:   # dying: nothing left to unload from
+                pass
+
     def _send_finish(self, request_ids: list[str], reason: str) -> None:
         if self.core.alive:
             try:
@@ -280,6 +295,9 @@ class AsyncEngine:
         self.stats = out.stats
         for rid, waited in out.first_scheduled:
             self._unscheduled.discard(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.queue_time_s = waited
             if self.observer is not None:
                 self.observer.on_first_scheduled(rid, waited)
         t0 = time.perf_counter()

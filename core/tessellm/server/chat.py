@@ -157,4 +157,4 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                       req.stream and req.include_usage, plan.format)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,
                          include_usage=req.include_usage, num_prompt_tokens=len(ids),
-                         start=start)
+                         start=start, params=params, n=req.n)

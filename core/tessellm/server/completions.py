@@ -145,4 +145,5 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                             req.stream and req.include_usage, echo, first_tokens)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,
                          include_usage=req.include_usage,
-                         num_prompt_tokens=sum(len(t) for t in token_lists), start=start)
+                         num_prompt_tokens=sum(len(t) for t in token_lists), start=start,
+                         params=groups[0][1], n=req.n)

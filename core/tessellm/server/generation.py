@@ -18,6 +18,7 @@ from aiohttp import web
 
 from tessellm.engine.async_engine import RequestStream
 from tessellm.engine.output_processor import StreamDelta
+from tessellm.sampling_params import SamplingParams
 from tessellm.server.errors import APIError
 from tessellm.server.requests import echo_id
 from tessellm.server.sse import SSEWriter
@@ -92,8 +93,10 @@ def timed_out(timeout_s: float) -> APIError:
 
 async def respond(request: web.Request, state: ServerState, request_id: str,
                   streams: list[RequestStream], shape: ResponseShape, *, stream: bool,
-                  include_usage: bool, num_prompt_tokens: int, start: float
-                  ) -> web.StreamResponse:
+                  include_usage: bool, num_prompt_tokens: int, start: float,
+                  params: SamplingParams, n: int) -> web.StreamResponse:
+    """Answer the request from its engine streams; `params` (choice 0's) and `n` go to the
+    request's trace span (tracing.request_span) when the server traces."""
     timers = [state.metrics.timer(start) for _ in streams]
     timeout_s = state.config.request_timeout_s
     try:
@@ -110,6 +113,9 @@ async def respond(request: web.Request, state: ServerState, request_id: str,
             s.abort()
         for t in timers:  # sequences left before their end were aborted
             t.finish("abort")
+        if state.tracer is not None:
+            state.tracer.record(state.model_name, request_id, start, request.headers, params,
+                                n, streams, timers, num_prompt_tokens)
 
 
 async def _whole(request_id: str, streams: list[RequestStream], shape: ResponseShape,

@@ -169,13 +169,14 @@ class ServerMetrics:
 class SequenceTimer:
     """Latencies of one generated sequence, seen from the handler (time.monotonic)."""
 
-    __slots__ = ("_done", "_first", "_last", "_m", "_start", "_tokens")
+    __slots__ = ("_done", "_first", "_last", "_m", "_reason", "_start", "_tokens")
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
         self._m, self._start, self._done = metrics, start, False
         self._first: float | None = None
         self._last: float | None = None
         self._tokens = 0
+        self._reason: str | None = None
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -192,9 +193,27 @@ class SequenceTimer:
                 self._m.itl.observe(gap)
         self._last = now
 
+    @property
+    def first_token_at(self) -> float | None:
+        return self._first
+
+    @property
+    def last_token_at(self) -> float | None:
+        return self._last
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def reason(self) -> str | None:
+        """The finish reason, once finished."""
+        return self._reason
+
     def finish(self, reason: str) -> None:
         if not self._done:
             self._done = True
+            self._reason = reason
             self._m.e2e.observe(time.monotonic() - self._start)
             self._m.finished.labels(reason).inc()
             if self._first is not None and self._last is not None and self._tokens > 1:

@@ -35,6 +35,7 @@ from tessellm.server.connections import ConnectionGuard, GuardedTCPSite, connect
 from tessellm.server.grpc.server import grpc_address, load_grpc_service
 from tessellm.server.server_config import ServerConfig
 from tessellm.server.state import ServerState
+from tessellm.server.tracing.setup import load_tracer
 
 log = logging.getLogger(__name__)
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs rid=%{X-Request-Id}o'
@@ -93,6 +94,7 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     loop = asyncio.get_running_loop()
     # optional extras are checked before anything starts: a missing one is a start-up error
     grpc_runner_class = load_grpc_service() if config.grpc_port is not None else None
+    tracer = load_tracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     progress = StartupProgress()
     progress.stage("starting the engine core")
     core = EngineCoreClient.spawn(core_config, core_entry)
@@ -112,6 +114,7 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
                                                        config.engine_stall_timeout_s))
     state = ServerState.build(async_engine, tokenizer, config, source, model_option,
                               chat_template)
+    state.tracer = tracer
     handler_options = {"access_log_format": ACCESS_LOG_FORMAT,
                        "keepalive_timeout": config.keepalive_timeout_s,
                        "lingering_time": LINGERING_S}
@@ -167,4 +170,6 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     if grpc_runner is not None:   # its calls ended with the engine's streams: flush, close
         await grpc_runner.stop(CONNECTION_CLOSE_TIMEOUT_S)
     await runner.cleanup()
+    if tracer is not None:   # exports what is buffered (blocking: off the loop)
+        await loop.run_in_executor(None, tracer.shutdown)
     return 1 if core_died else 0

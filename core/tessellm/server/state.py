@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessellm.constraints.compiler import GrammarCompiler
 from tessellm.constraints.structured_outputs import StructuredOutputs
@@ -31,6 +31,9 @@ from tessellm.server.logprobs import TokenTexts
 from tessellm.server.metrics import ServerMetrics
 from tessellm.server.server_config import ServerConfig
 from tessellm.tools.tool_plan import tool_setup
+
+if TYPE_CHECKING:
+    from tessellm.server.tracing.request_span import RequestTracer
 
 NO_CHAT_TEMPLATE_HINT = ("start the server with --chat-template FILE (a Jinja template) or "
                          "use /v1/completions")
@@ -63,6 +66,7 @@ class ServerState:
     grammars: GrammarCompiler = field(default_factory=GrammarCompiler)  # tokenizer thread only
     _tool_setup: tuple[bool, Any] | None = None
     history: EngineHistory = field(init=False)  # the dashboard's per-second samples
+    tracer: RequestTracer | None = None   # --otlp-traces-endpoint: one span per request
 
     def __post_init__(self) -> None:
         self.history = EngineHistory(self.engine)

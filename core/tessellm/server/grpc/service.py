@@ -23,6 +23,7 @@ import grpc
 
 from tessellm.engine.async_engine import RequestStream
 from tessellm.engine.output_processor import StreamDelta
+from tessellm.sampling_params import SamplingParams
 from tessellm.server.completions import completion_groups
 from tessellm.server.errors import APIError, bad_request, from_exception, internal_error
 from tessellm.server.generation import FAILED, failure, timed_out, timer_reason, usage_of
@@ -45,6 +46,7 @@ class _Call:
     an Abort interrupts that wait and never a write to the client (a write cut short would
     leave the call unusable)."""
 
+    request_id: str   # the server's (the engine's) id
     scope: asyncio.Timeout | None = None
     aborted: bool = False
 
@@ -87,7 +89,7 @@ class TessellmService:
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> None:
         state, start, request_id = self._state, arrival_now(), new_request_id()
-        handle, call = request_id, _Call()
+        handle, call = request_id, _Call(request_id)
         try:
             self._authorize(context)
             draining = draining_error(state)
@@ -104,7 +106,8 @@ class TessellmService:
             token_lists, groups = await completion_groups(state, req)
             streams = state.submit(request_id, groups, req.stop_strings, req.priority)
             num_prompt_tokens = sum(len(t) for t in token_lists)
-            await self._stream(context, handle, call, streams, start, num_prompt_tokens)
+            await self._stream(context, handle, call, streams, start, num_prompt_tokens,
+                               groups[0][1], req.n)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
@@ -113,8 +116,9 @@ class TessellmService:
             del self._calls[handle]
 
     async def _stream(self, context: Context, handle: str, call: _Call,
-                      streams: list[RequestStream], start: float, num_prompt_tokens: int
-                      ) -> None:
+                      streams: list[RequestStream], start: float, num_prompt_tokens: int,
+                      params: SamplingParams, n: int) -> None:
+        state = self._state
         timers = [self._state.metrics.timer(start) for _ in streams]
         outputs, done = [0] * len(streams), [False] * len(streams)
         timeout_s = self._state.config.request_timeout_s
@@ -143,6 +147,10 @@ class TessellmService:
                 s.abort()
             for t in timers:   # sequences left before their end were aborted
                 t.finish("abort")
+            if state.tracer is not None:   # parented from the `traceparent` metadata
+                state.tracer.record(state.model_name, call.request_id, start,
+                                    dict(context.invocation_metadata() or ()), params, n,
+                                    streams, timers, num_prompt_tokens)
         for k in (k for k in range(len(streams)) if not done[k]):   # aborted ones
             await context.write(pb.GenerateResponse(request_id=handle, index=k,
                                                     finish_reason="abort"))
