@@ -386,6 +386,9 @@ def kernel_cases(op: str, padding: Padding = Padding()) -> list[KernelCase]:
     if op in MOE_OPS:
         from tessellm.testing.moe_cases import moe_cases
         return moe_cases(op)
+    if op == "lora_add":
+        from tessellm.testing.lora_cases import lora_cases
+        return lora_cases()
     raise KernelError(f"the conformance kit has no cases for op {op!r}")
 
 
