@@ -51,6 +51,14 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="split the model over this many ranks (processes, one device each); "
                         "under torchrun, ranks > 0 become workers")
+    p.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters (PEFT) over the model (see --lora-modules)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA: most distinct adapters in one step (default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="LoRA: largest adapter rank (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA: loaded adapters kept on the host (default --max-loras)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (prompt lookup)')
@@ -66,7 +74,8 @@ def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
-            "tensor_parallel_size", "packed_activations", "async_scheduling")
+            "tensor_parallel_size", "packed_activations", "async_scheduling", "enable_lora",
+            "max_loras", "max_lora_rank", "max_cpu_loras")
     options = {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
     if getattr(a, "speculative_config", None) is not None:
         options["speculative_config"] = _json_object("--speculative-config",
@@ -213,7 +222,8 @@ def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
                     "chat_template", "drain_timeout_s", "request_timeout_s",
                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "header_timeout_s",
                     "body_timeout_s", "keepalive_timeout_s", "max_connections",
-                    "tool_call_parser", "grpc_port", "otlp_traces_endpoint")
+                    "tool_call_parser", "grpc_port", "otlp_traces_endpoint", "lora_modules",
+                    "allow_runtime_lora")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
     return load_configs(a.config, overrides)
@@ -319,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export one OpenTelemetry span per request to this OTLP endpoint; "
                         "needs tessellm[otel]")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora): name=path or a JSON "
+                        "object {\"name\", \"path\"}; a request's `model` names one")
+    s.add_argument("--allow-runtime-lora", action="store_true", default=None,
+                   help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

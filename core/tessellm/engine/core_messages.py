@@ -138,6 +138,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # LoRA: per adapter name, [requests, prompt tokens, generated tokens] since start
+    lora_counts: dict[str, list[int]] = {}
 
 
 class StepOutputs(msgspec.Struct, tag=True):

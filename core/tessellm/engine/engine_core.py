@@ -57,7 +57,10 @@ def core_stats(engine: LLMEngine) -> CoreStats:
         stage_seconds=dict(engine.stage_times.snapshot()),
         device_counters=engine.parts.device.runtime_counters(),
         running_by_priority=running, waiting_by_priority=waiting,
-        num_overlapped_steps=s.num_overlapped_steps, **spec_fields(engine))
+        num_overlapped_steps=s.num_overlapped_steps, **spec_fields(engine),
+        lora_counts={} if engine.lora is None else {
+            name: [c.requests, c.prompt_tokens, c.generated_tokens]
+            for name, c in engine.lora.counts.items()})
 
 
 def spec_fields(engine: LLMEngine) -> dict:

@@ -26,6 +26,7 @@ from tessellm.server.completions import create_completion
 from tessellm.server.connections import ConnectionGuard
 from tessellm.server.dashboard import DASHBOARD_PATH, dashboard
 from tessellm.server.errors import APIError, from_exception, internal_error
+from tessellm.server.lora_routes import add_lora_routes
 from tessellm.server.requests import (
     ARRIVAL,
     CLIENT_REQUEST_ID,
@@ -143,6 +144,8 @@ def create_app(state: ServerState, guard: ConnectionGuard | None = None) -> web.
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
+    if state.config.allow_runtime_lora:
+        add_lora_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get(DASHBOARD_PATH, dashboard)

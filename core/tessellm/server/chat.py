@@ -152,8 +152,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(ids), state.max_model_len,
                                     param)
     params = sampling_params(req, max_tokens, req.num_logprobs, 0, constraint)
-    streams = state.submit(request_id, [(ids, params, req.n)], req.stop_strings, req.priority)
-    shape = ChatShape(request_id, state.model_name, state.texts, req.logprobs,
+    streams = state.submit(request_id, [(ids, params, req.n)], req.stop_strings, req.priority,
+                           req.model)
+    shape = ChatShape(request_id, state.response_model(req.model), state.texts, req.logprobs,
                       req.stream and req.include_usage, plan.format)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,
                          include_usage=req.include_usage, num_prompt_tokens=len(ids),

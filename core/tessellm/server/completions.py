@@ -140,8 +140,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         texts = [p if isinstance(p, str) else await state.decode(p) for p in prompts]
         echo = [texts[k // req.n] for k in range(len(prompts) * req.n)]
         first_tokens = [token_lists[k // req.n][0] for k in range(len(prompts) * req.n)]
-    streams = state.submit(request_id, groups, req.stop_strings, req.priority)
-    shape = CompletionShape(request_id, state.model_name, state.texts, req.logprobs is not None,
+    streams = state.submit(request_id, groups, req.stop_strings, req.priority, req.model)
+    shape = CompletionShape(request_id, state.response_model(req.model), state.texts, req.logprobs is not None,
                             req.stream and req.include_usage, echo, first_tokens)
     return await respond(request, state, request_id, streams, shape, stream=req.stream,
                          include_usage=req.include_usage,

@@ -95,6 +95,8 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     # optional extras are checked before anything starts: a missing one is a start-up error
     grpc_runner_class = load_grpc_service() if config.grpc_port is not None else None
     tracer = load_tracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    if config.lora_modules and not core_config.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora (enable_lora: true)")
     progress = StartupProgress()
     progress.stage("starting the engine core")
     core = EngineCoreClient.spawn(core_config, core_entry)
@@ -112,8 +114,12 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     async_engine = AsyncEngine(core, tokenizer, max_waiting=config.max_queue,
                                liveness=LivenessConfig(config.engine_heartbeat_timeout_s,
                                                        config.engine_stall_timeout_s))
-    state = ServerState.build(async_engine, tokenizer, config, source, model_option,
-                              chat_template)
+    try:   # an adapter of --lora-modules that cannot be served stops the server here
+        state = ServerState.build(async_engine, tokenizer, config, source, model_option,
+                                  chat_template)
+    except BaseException:
+        await loop.run_in_executor(None, core.close)
+        raise
     state.tracer = tracer
     handler_options = {"access_log_format": ACCESS_LOG_FORMAT,
                        "keepalive_timeout": config.keepalive_timeout_s,

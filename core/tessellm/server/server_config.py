@@ -64,6 +64,21 @@ class ServerConfig(BaseModel):
                                              "OpenTelemetry span per request to this OTLP "
                                              "endpoint; needs `tessellm[otel]`")
 
+    lora_modules: list[str] = Field(default_factory=list, description="LoRA adapters to serve "
+                                    "(needs enable_lora): `name=path` or a JSON object "
+                                    "{\"name\", \"path\"}; a request's `model` names one")
+    allow_runtime_lora: bool = Field(False, description="enable POST /v1/load_lora_adapter and "
+                                     "/v1/unload_lora_adapter (behind the API key)")
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules_parse(cls, v: list[str]) -> list[str]:
+        from tessellm.server.lora_adapters import parse_lora_module
+        names = [parse_lora_module(spec)[0] for spec in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names an adapter twice: {names}")
+        return v
+
     @model_validator(mode="after")
     def _liveness_order(self) -> ServerConfig:
         if self.engine_heartbeat_timeout_s > self.engine_stall_timeout_s:

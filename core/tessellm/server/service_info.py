@@ -34,6 +34,7 @@ def draining_error(state: ServerState) -> APIError | None:
 
 
 def model_cards(state: ServerState) -> list[dict[str, Any]]:
-    """The entries of /v1/models' `data`."""
+    """The entries of /v1/models' `data`: the base model, then its LoRA adapters."""
     return [{"id": state.model_name, "object": "model", "created": state.created,
-             "owned_by": "tessellm", "max_model_len": state.max_model_len}]
+             "owned_by": "tessellm", "max_model_len": state.max_model_len},
+            *state.adapters.cards(state.model_name, state.created, state.max_model_len)]

@@ -22,12 +22,13 @@ from tessellm.constraints.compiler import GrammarCompiler
 from tessellm.constraints.structured_outputs import StructuredOutputs
 from tessellm.engine.async_engine import AsyncEngine, RequestStream
 from tessellm.engine.chat_template import encode_chat, render_chat
-from tessellm.errors import InvalidRequestError
+from tessellm.errors import ConfigError, InvalidRequestError
 from tessellm.models.source import ModelSource
 from tessellm.sampling_params import SamplingParams
 from tessellm.server.engine_history import EngineHistory
 from tessellm.server.errors import APIError
 from tessellm.server.logprobs import TokenTexts
+from tessellm.server.lora_adapters import ServedAdapter, ServedAdapters, parse_lora_module
 from tessellm.server.metrics import ServerMetrics
 from tessellm.server.server_config import ServerConfig
 from tessellm.tools.tool_plan import tool_setup
@@ -67,6 +68,8 @@ class ServerState:
     _tool_setup: tuple[bool, Any] | None = None
     history: EngineHistory = field(init=False)  # the dashboard's per-second samples
     tracer: RequestTracer | None = None   # --otlp-traces-endpoint: one span per request
+    # LoRA adapters served by name (build() registers --lora-modules)
+    adapters: ServedAdapters = field(default_factory=lambda: ServedAdapters(frozenset(), 0, 0))
 
     def __post_init__(self) -> None:
         self.history = EngineHistory(self.engine)
@@ -75,15 +78,39 @@ class ServerState:
     def build(cls, engine: AsyncEngine, tokenizer: Any, config: ServerConfig,
               source: ModelSource, model_option: str | None,
               chat_template: str | None = None) -> ServerState:
+        """ConfigError when an adapter of --lora-modules cannot be served."""
         template = chat_template or getattr(tokenizer, "chat_template", None) or None
-        return cls(engine, tokenizer, config, source.name, model_aliases(model_option, source),
-                   engine.info.max_model_len, template, ServerMetrics(engine),
-                   TokenTexts(tokenizer))
+        aliases = model_aliases(model_option, source)
+        state = cls(engine, tokenizer, config, source.name, aliases,
+                    engine.info.max_model_len, template, ServerMetrics(engine),
+                    TokenTexts(tokenizer))
+        info = engine.info
+        state.adapters = ServedAdapters(aliases | {source.name}, info.max_loras,
+                                        info.max_lora_rank)
+        for spec in config.lora_modules:
+            name, path = parse_lora_module(spec)
+            try:
+                state.adapters.add(name, path)
+            except APIError as e:
+                raise ConfigError(f"--lora-modules {spec}: {e.message}") from None
+        return state
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_aliases:
+    def check_model(self, model: str | None) -> ServedAdapter | None:
+        """The LoRA adapter `model` names (None: the base model); a 404 for any other name."""
+        if model is None or model in self.model_aliases:
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            served = ", ".join(repr(n) for n in [self.model_name] +
+                               [a.name for a in self.adapters.all])
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+                           f"{served}", param="model", code="model_not_found")
+        return adapter
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter's name, else the base model's."""
+        return model if model is not None and self.adapters.get(model) is not None \
+            else self.model_name
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -126,17 +153,22 @@ class ServerState:
         return self._tool_setup
 
     def submit(self, request_id: str, groups: Sequence[tuple[list[int], SamplingParams, int]],
-               stop: list[str], priority: int = 0) -> list[RequestStream]:
+               stop: list[str], priority: int = 0, model: str | None = None
+               ) -> list[RequestStream]:
         """Add every (prompt, params of choice 0, n) group to the engine — n > 1 as
         copy-on-write siblings that compute the prompt once, choice i with seed + i — or
         none: on an error the ones already added are aborted and the error propagates.
-        Streams come back prompt by prompt, choice by choice."""
+        Streams come back prompt by prompt, choice by choice. `model`: the request's, which
+        may name a LoRA adapter (check_model: a 404 for an unknown name)."""
+        adapter = self.check_model(model)
         streams: list[RequestStream] = []
         try:
             for k, (ids, params, n) in enumerate(groups):
                 rid = request_id if len(groups) == 1 else f"{request_id}-{k}"
                 streams += self.engine.add_request_group(ids, params, n, rid, stop=stop or None,
-                                                         priority=priority)
+                                                         priority=priority,
+                                                         lora=None if adapter is None
+                                                         else adapter.wire)
         except BaseException:
             for s in streams:
                 s.abort()

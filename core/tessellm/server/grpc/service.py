@@ -104,7 +104,8 @@ class TessellmService:
         try:
             req = completion_request(request)
             token_lists, groups = await completion_groups(state, req)
-            streams = state.submit(request_id, groups, req.stop_strings, req.priority)
+            streams = state.submit(request_id, groups, req.stop_strings, req.priority,
+                                   req.model)
             num_prompt_tokens = sum(len(t) for t in token_lists)
             await self._stream(context, handle, call, streams, start, num_prompt_tokens,
                                groups[0][1], req.n)
