@@ -139,7 +139,8 @@ def stand_in_engine() -> SimpleNamespace:
                       prefix_cache_queries=0, prefix_cache_hits=0, host_syncs=0,
                       stage_seconds=dict.fromkeys(StageTimes.STAGES, 0.0),
                       device_counters={"(one per device counter)": 0.0},
-                      spec_method="(the speculative method; only when speculating)")
+                      spec_method="(the speculative method; only when speculating)",
+                      lora_counts={"(the adapter's name; only with LoRA)": [0, 0, 0]})
     return SimpleNamespace(stats=stats, num_waiting=0, info=SimpleNamespace(weight_bytes=0),
                            is_alive=True, last_heard=time.monotonic(),
                            unresponsive_reason=None, liveness=SimpleNamespace(step_age_s=0.0),
