@@ -16,7 +16,7 @@ QKV = LoRASite(0, "qkv_proj", 8, (SitePart("q_proj", 0, 8), SitePart("k_proj", 8
 
 
 def _table(slots: int = 2) -> tuple[LoRASlotTable, dict]:
-    weights = {"qkv.a": torch.zeros(slots, 3 * R, 8), "qkv.b": torch.zeros(16, slots, 3 * R)}
+    weights = {"qkv.a": torch.zeros(slots, 3 * R, 8), "qkv.b": torch.zeros(slots, 3 * R, 16)}
     return LoRASlotTable([QKV], weights, slots, R), weights
 
 
@@ -32,7 +32,7 @@ def test_fused_site_holds_each_part_block_diagonally() -> None:
     table, w = _table()
     adapter = _adapter(1)
     slot = table.assign([adapter])[1]
-    a, b = w["qkv.a"][slot], w["qkv.b"][:, slot]
+    a, b = w["qkv.a"][slot], w["qkv.b"][slot].T
     qa, qb = adapter.weights[(0, "q_proj")]
     va, vb = adapter.weights[(0, "v_proj")]
     assert torch.equal(a[0:2], qa) and torch.equal(a[2 * R:2 * R + 2], va)
@@ -59,7 +59,7 @@ def test_resident_adapters_keep_their_slot_and_lru_is_evicted() -> None:
     # a slot rewritten for a smaller adapter keeps nothing of the old one
     small = _adapter(4, modules=("q_proj",), rank=1)
     slot = table.assign([small, a3])[4]
-    assert not w["qkv.a"][slot, 1:].any() and not w["qkv.b"][:, slot, 1:].any()
+    assert not w["qkv.a"][slot, 1:].any() and not w["qkv.b"][slot, 1:].any()
 
 
 def test_more_adapters_than_slots_in_one_step_is_refused() -> None:

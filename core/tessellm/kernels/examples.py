@@ -263,7 +263,7 @@ def make_example(query: KernelQuery, dev: str,
         slots = torch.randint(-1, S, (T,), generator=gen)
         return [_randn(gen, (T, i), dt, dev), _randn(gen, (T, o), dt, dev),
                 _randn(gen, (S, R, i), dt, dev, i ** -0.5),
-                _randn(gen, (o, S, R), dt, dev, R ** -0.5), slots.to(dev)]
+                _randn(gen, (S, R, o), dt, dev, R ** -0.5), slots.to(dev)]
     raise KernelError(f"no example inputs defined for op {op!r}")
 
 

@@ -19,5 +19,5 @@ def lora_add_dense_slots(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: t
     shrunk = F.linear(x.to(a.dtype), a.view(num_slots * rank, in_f)).view(rows, num_slots, rank)
     own = slots.unsqueeze(1) == torch.arange(num_slots, device=slots.device).unsqueeze(0)
     shrunk = shrunk * own.unsqueeze(-1).to(shrunk.dtype)
-    delta = F.linear(shrunk.view(rows, num_slots * rank), b.view(b.shape[0], num_slots * rank))
+    delta = shrunk.view(rows, num_slots * rank) @ b.view(num_slots * rank, b.shape[2])
     return y + delta.to(y.dtype)

@@ -10,7 +10,8 @@ and every reader of `y` reads `y'`. The weights are the site's slot table, zeros
 adapter is loaded into a slot (tessellm.lora.slots):
 
     a [S, P*R, in]    slot s, rows p*R .. p*R + r: part p's lora_A (r <= R = max_lora_rank)
-    b [out, S, P*R]   rows of part p's outputs, columns p*R ..: part p's lora_B * scaling
+    b [S, P*R, out]   slot s, rows p*R .. p*R + r, columns of part p's outputs: part p's
+                      (lora_B * scaling)^T
 
 where S = max_loras and P the parts of a fused linear (qkv: 3, gate_up: 2, others 1), so a
 fused site's B is block-diagonal per slot and each part keeps its own adapter. `lora_slots`
@@ -98,7 +99,7 @@ def add_lora_sites(mg: ModelGraph, max_loras: int, max_rank: int, dtype: torch.d
         stem = f"lora.{layer}.{role}"
         rank = len(modules) * max_rank
         mg.weights[f"{stem}.a"] = torch.zeros((max_loras, rank, in_f), dtype=dtype)
-        mg.weights[f"{stem}.b"] = torch.zeros((out_f, max_loras, rank), dtype=dtype)
+        mg.weights[f"{stem}.b"] = torch.zeros((max_loras, rank, out_f), dtype=dtype)
         with g.inserting_before(node):
             a, b = g.get_attr(f"{stem}.a"), g.get_attr(f"{stem}.b")
         with g.inserting_after(node):

@@ -69,7 +69,7 @@ class LoRASlotTable:
         R = self.max_rank
         for site, a_table, b_table in self._tables:
             a_table[slot].zero_()
-            b_table[:, slot].zero_()
+            b_table[slot].zero_()
             for p, part in enumerate(site.parts):
                 ab = adapter.weights.get((site.layer, part.module))
                 if ab is None:
@@ -78,5 +78,5 @@ class LoRASlotTable:
                 r = a.shape[0]
                 a_table[slot, p * R:p * R + r].copy_(a)
                 rows = slice(part.out_offset, part.out_offset + part.out_features)
-                b_table[rows, slot, p * R:p * R + r].copy_(b)
+                b_table[slot, p * R:p * R + r, rows].copy_(b.T)
         self.num_loads += 1

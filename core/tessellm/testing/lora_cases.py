@@ -32,7 +32,7 @@ def lora_cases() -> list[KernelCase]:
                             return (torch.randn(shape, generator=g) * scale).to(dt)
                         return CaseInputs([rand((T, i)), rand((T, o)),
                                            rand((S, R, i), i ** -0.5),
-                                           rand((o, S, R), R ** -0.5), _slots(mix, T, S, g)])
+                                           rand((S, R, o), R ** -0.5), _slots(mix, T, S, g)])
                     dims = {"in_features": i, "out_features": o, "slots": S, "rank": R}
                     out.append(_case("lora_add", dt, T, dims, f"in={i} out={o} S={S} R={R} "
                                      f"{mix}", build))

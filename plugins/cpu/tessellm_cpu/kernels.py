@@ -89,6 +89,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
     to `tessellm plugins`. Nothing here stops the device or its other kernels."""
     from tessellm_cpu.native_attention import NativeDecode, NativePrefill
     from tessellm_cpu.native_linear_f32 import NativeLinearF32
+    from tessellm_cpu.native_lora import NativeLoRAAdd
     from tessellm_cpu.native_moe import NativeMoEPacked, NativeMoeRouter
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
@@ -121,6 +122,8 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
               "C, float32, up to 16 rows: output features over the team, 16-lane dots"),
              ("moe_router", "moe_router_native", NativeMoeRouter,
               "C, softmax / sigmoid and top-k per token"),
+             ("lora_add", "lora_add_native", NativeLoRAAdd,
+              "C, every row's shrink then expand by output blocks, one team call"),
              ("fused_moe_packed", "fused_moe_packed_native", NativeMoEPacked,
               "C, pairs sorted by expert, each chosen expert's blocks read once in place, "
               "one team call per layer"))

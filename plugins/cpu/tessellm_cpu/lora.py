@@ -21,10 +21,10 @@ def lora_add_grouped(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch
         return y.clone()
     if len(present) == 1 and host[0] >= 0 and host.count(host[0]) == len(host):
         s = host[0]
-        return y + F.linear(F.linear(x.to(a.dtype), a[s]), b[:, s]).to(y.dtype)
+        return y + (F.linear(x.to(a.dtype), a[s]) @ b[s]).to(y.dtype)
     out = y.clone()
     for s in sorted(present):
         rows = (slots == s).nonzero().squeeze(1)
-        delta = F.linear(F.linear(x.index_select(0, rows).to(a.dtype), a[s]), b[:, s])
+        delta = F.linear(x.index_select(0, rows).to(a.dtype), a[s]) @ b[s]
         out.index_add_(0, rows, delta.to(y.dtype))
     return out
