@@ -75,7 +75,8 @@ def test_launches_are_built_without_running_them() -> None:
     assert names == {"_decode_kernel", "_decode_reduce_kernel", "_prefill_kernel",
                      "_write_kv_kernel", "_rms_norm_kernel", "_rotary_kernel",
                      "_silu_and_mul_kernel", "_sample_kernel", "_apply_token_bitmask_kernel",
-                     "_gemv_kernel", "_gemm_kernel", *MOE_KERNELS}
+                     "_gemv_kernel", "_gemm_kernel", *MOE_KERNELS, "_lora_shrink_kernel",
+                     "_lora_expand_kernel"}
     assert all(a.device.type == "meta" for _, launch in launches for a in launch.args
                if isinstance(a, torch.Tensor))
     for head_dim in (8, 64, 128, 256):

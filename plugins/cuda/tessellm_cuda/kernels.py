@@ -7,7 +7,7 @@ from tessellm_cuda.torch_ops import TORCH_ALTERNATIVES, TORCH_ONLY
 
 
 def triton_kernel_list(device: str) -> list[Kernel]:
-    from tessellm_cuda.triton_ops import (activations, attention, kv_cache, moe, norms,
+    from tessellm_cuda.triton_ops import (activations, attention, kv_cache, lora, moe, norms,
                                           packed_linear, rotary, sampling, token_bitmask)
     supports = getattr(attention, "supports", None)
     extra = {"supports": supports} if supports is not None else {}
@@ -40,6 +40,9 @@ def triton_kernel_list(device: str) -> list[Kernel]:
         Kernel("apply_token_bitmask", "token_bitmask_triton", token_bitmask.apply_token_bitmask,
                device, description="Triton, one program per (row, 1024 tokens), bits by "
                                    "shifts"),
+        Kernel("lora_add", "lora_add_triton", lora.lora_add, device,
+               description="Triton, shrink per (row, rank tile) then expand per (row, 128 "
+                           "features); base-model rows read no weight"),
     ]
 
 

@@ -28,8 +28,6 @@ TORCH_ONLY = {
     "sigmoid_gate": [("sigmoid_gate_torch", portable.sigmoid_gate, "")],
     "mul_scalar": [("mul_scalar_torch", portable.mul_scalar, "")],
     "logit_softcap": [("logit_softcap_torch", portable.logit_softcap, "")],
-    "lora_add": [("lora_add_dense_slots", portable.lora_add_dense_slots,
-                  "every slot for every row, a one-hot mask (no host sync: CUDA-graph safe)")],
 }
 
 # torch alternatives to Triton kernels, ranked against them on a GPU (not offered by the
@@ -46,4 +44,6 @@ TORCH_ALTERNATIVES = {
                              "bits by AND with 32 one-bit words, masked_fill_")],
     "fused_moe": [("fused_moe_dense", portable.fused_moe_dense,
                    "every expert on every token (no host sync: CUDA-graph safe)")],
+    "lora_add": [("lora_add_dense_slots", portable.lora_add_dense_slots,
+                  "every slot for every row, a one-hot mask (no host sync: CUDA-graph safe)")],
 }

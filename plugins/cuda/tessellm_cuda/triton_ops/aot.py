@@ -198,6 +198,25 @@ def engine_launches() -> list[tuple[str, Launch]]:
             out += [(f"{tag} {label}", launch) for label, launch in _sampling_launches(m, dtype)]
         out += [(f"{_SHORT[dtype]} {label}", launch) for label, launch in _packed_launches(dtype)]
         out += [(f"{_SHORT[dtype]} {label}", launch) for label, launch in _moe_launches(dtype)]
+        out += [(f"{_SHORT[dtype]} {label}", launch) for label, launch in _lora_launches(dtype)]
+    return out
+
+
+# LoRA sites of a Llama-8B layer with 8 slots of rank 64: (in, out, slots, rank) of the fused
+# qkv (3 parts) and of down_proj
+LORA_SHAPES = ((4096, 6144, 8, 192), (14336, 4096, 8, 64))
+
+
+def _lora_launches(dtype: torch.dtype) -> list[tuple[str, Launch]]:
+    from . import lora
+    out = []
+    for k, n, slots, rank in LORA_SHAPES:
+        for tokens in (1, 2048):
+            _, launches = lora.lora_add_launches(
+                _meta((tokens, k), dtype), _meta((tokens, n), dtype),
+                _meta((slots, rank, k), dtype), _meta((slots, rank, n), dtype),
+                _meta((tokens,), torch.int64))
+            out += [(f"lora_add {k}->{n} {tokens} tokens", launch) for launch in launches]
     return out
 
 
