@@ -118,9 +118,6 @@ class EngineConfig(BaseModel):
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > "
                              "1 yet (untested combination)")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet "
-                             "(the adapters' A/B are not sharded)")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")

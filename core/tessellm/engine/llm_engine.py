@@ -39,6 +39,7 @@ from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.lora.manager import LoRAManager
 from tessellm.lora.request import LoRARequest
 from tessellm.parallel.group import ParallelGroupError
+from tessellm.parallel.messages import LoRALoad
 from tessellm.request import FinishReason, Request, sample_ids
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
@@ -103,9 +104,7 @@ class LLMEngine:
         spec = c.speculative_config
         self.speculator = None if spec is None else Speculator(
             spec, make_proposer(spec, parts, parts.proposers), self.max_model_len)
-        self.lora = None if not c.enable_lora else LoRAManager(
-            parts.lora_sites, parts.weights, c.max_loras, c.max_lora_rank,
-            c.max_cpu_loras or c.max_loras)
+        self.lora = LoRAManager.of(parts)
         self._in_flight: LaunchedStep | None = None
         self._in_flight_t0 = 0.0
         self._last_completed = 0.0
@@ -318,8 +317,10 @@ class LLMEngine:
         its requests (StepError, or ParallelGroupError when fatal); `previous`, a step in
         flight, still completes first."""
         try:
-            if self.lora is not None:   # the step's adapters into device slots
-                self.lora.assign([s.request for s in out.scheduled])
+            if self.lora is not None:   # the step's adapters into device slots (every rank's)
+                for slot, adapter in self.lora.assign([s.request for s in out.scheduled]):
+                    self.runner.send_to_followers(
+                        LoRALoad(slot, adapter.name, adapter.int_id, adapter.path))
             launched = self.runner.launch(out, self.kv, previous)
         except Exception as exc:
             error = self._fail_step(out, exc)

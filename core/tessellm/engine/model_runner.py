@@ -172,6 +172,11 @@ class ModelRunner:
                                              list(out.swap_in),
                                              blocks_written_in_full(out, kv, fresh)))
 
+    def send_to_followers(self, message: object) -> None:
+        """Tensor parallelism: a control message for the other ranks (none: nothing)."""
+        if self.followers is not None:
+            self.followers.send(message)
+
     def _lead_block_ops(self, ops: BlockOps) -> Event | None:
         if self.followers is not None and not ops.empty:
             self.followers.send(ops)

@@ -37,6 +37,7 @@ class LoRAAdapter:
     rank: int          # the largest module rank
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    path: str = ""     # where it was read (a tensor-parallel worker reads it there too)
 
     @property
     def nbytes(self) -> int:
@@ -100,4 +101,4 @@ def load_adapter(request: LoRARequest, shapes: dict[tuple[int, str], tuple[int, 
         top_rank = max(top_rank, rank)
     r = int(config["r"])
     return LoRAAdapter(name, request.lora_int_id, top_rank,
-                       alpha / (math.sqrt(r) if use_rslora else r), weights)
+                       alpha / (math.sqrt(r) if use_rslora else r), weights, request.lora_path)

@@ -7,12 +7,18 @@
 - `assign(scheduled)` before each step: every scheduled request's adapter gets a slot of the
   device table (tessellm.lora.slots) and `request.lora_slot` says which (-1: base model).
 - per-adapter counters (requests, prompt and generated tokens) for /metrics.
+
+Tensor parallelism: adapters are checked against the whole model's shapes and each rank
+holds its split of them (tessellm.models.sharding.shard_lora_weights); the leader's `assign`
+reports the (slot, adapter) pairs it wrote, which its workers load into the same slots
+(`load_into`, from the adapter's path).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -32,10 +38,12 @@ class AdapterCounts:
 
 class LoRAManager:
     def __init__(self, sites: list[LoRASite], weights: dict[str, torch.Tensor],
-                 max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+                 max_loras: int, max_rank: int, max_cpu_loras: int, shard: Any = None) -> None:
+        """`shard`: this rank's tessellm.models.sharding.Shard (None: one rank)."""
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
-        self.shapes = module_shapes(sites)
+        self.shard = shard
+        self.shapes = module_shapes(sites, None if shard is None else shard.spec)
         self.slots = LoRASlotTable(sites, weights, max_loras, max_rank)
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.counts: dict[str, AdapterCounts] = {}
@@ -62,6 +70,9 @@ class LoRAManager:
             adapter = load_adapter(request, self.shapes, self.max_rank)
         except LoRAError as e:
             raise InvalidRequestError(str(e), "lora_request") from None
+        if self.shard is not None:
+            from tessellm.models.sharding import shard_lora_weights
+            adapter = replace(adapter, weights=shard_lora_weights(adapter.weights, self.shard))
         self._cache[adapter.int_id] = adapter
         while len(self._cache) > self.max_cpu_loras:
             self._cache.popitem(last=False)
@@ -77,13 +88,33 @@ class LoRAManager:
         self._cache.pop(lora_int_id, None)
         self.slots.evict(lora_int_id)
 
-    def assign(self, requests: Iterable) -> None:
-        """Slots for the adapters of a step's requests (`request.adapter`, None: base)."""
-        with_adapter = [r for r in requests if r.adapter is not None]
-        slot_of = self.slots.assign({r.adapter.int_id: r.adapter
-                                     for r in with_adapter}.values())
+    def assign(self, requests: list) -> list[tuple[int, LoRAAdapter]]:
+        """Slots for the adapters of a step's requests (`request.adapter`, None: base);
+        returns the (slot, adapter) pairs written for this step."""
+        written: list[tuple[int, LoRAAdapter]] = []
+        slot_of = self.slots.assign({r.adapter.int_id: r.adapter for r in requests
+                                     if r.adapter is not None}.values(), written)
         for r in requests:
             r.lora_slot = -1 if r.adapter is None else slot_of[r.adapter.int_id]
+        return written
+
+    def load_into(self, slot: int, request: LoRARequest) -> None:
+        """A tensor-parallel worker: put the adapter in `slot`, as the leader did."""
+        self.slots.write(slot, self.adapter_for(request))
+
+    @classmethod
+    def of(cls, parts: Any) -> LoRAManager | None:
+        """The manager of an engine's (or tensor-parallel rank's) EngineParts; None when
+        enable_lora is off."""
+        c = parts.config
+        if not c.enable_lora:
+            return None
+        shard = None
+        if parts.parallel is not None:
+            from tessellm.models.sharding import Shard
+            shard = Shard(parts.parallel.rank, parts.parallel.world_size, parts.spec)
+        return cls(parts.lora_sites, parts.weights, c.max_loras, c.max_lora_rank,
+                   c.max_cpu_loras or c.max_loras, shard)
 
     def count(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0,
               requests: int = 0) -> None:

@@ -21,6 +21,7 @@ such a row's output is exactly y. The term is computed in the activation dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -112,9 +113,19 @@ def add_lora_sites(mg: ModelGraph, max_loras: int, max_rank: int, dtype: torch.d
     return mg, sites
 
 
-def module_shapes(sites: list[LoRASite]) -> dict[tuple[int, str], tuple[int, int]]:
-    """(layer, PEFT module) -> (in_features, out_features) of the base model's linears."""
-    return {(s.layer, p.module): (s.in_features, p.out_features) for s in sites for p in s.parts}
+def module_shapes(sites: list[LoRASite], spec: Any = None) -> dict[tuple[int, str],
+                                                                   tuple[int, int]]:
+    """(layer, PEFT module) -> (in_features, out_features) of the base model's linears at
+    the sites; with `spec` (the whole model's ModelSpec, for a tensor-parallel rank whose
+    sites are its shards) the whole model's shapes."""
+    if spec is None:
+        return {(s.layer, p.module): (s.in_features, p.out_features)
+                for s in sites for p in s.parts}
+    h, hd, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    full = {"q_proj": (h, spec.num_heads * hd), "k_proj": (h, spec.num_kv_heads * hd),
+            "v_proj": (h, spec.num_kv_heads * hd), "o_proj": (spec.num_heads * hd, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return {(s.layer, p.module): full[p.module] for s in sites for p in s.parts}
 
 
 __all__ = ["LORA_SLOTS_FEED", "LoRASite", "SitePart", "add_lora_sites", "module_shapes"]

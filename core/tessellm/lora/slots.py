@@ -38,8 +38,10 @@ class LoRASlotTable:
     def resident(self) -> list[int]:
         return list(self._resident)
 
-    def assign(self, adapters: Iterable[LoRAAdapter]) -> dict[int, int]:
-        """Slots for the step's adapters (adapter id -> slot), loading the missing ones."""
+    def assign(self, adapters: Iterable[LoRAAdapter],
+               written: list[tuple[int, LoRAAdapter]] | None = None) -> dict[int, int]:
+        """Slots for the step's adapters (adapter id -> slot), loading the missing ones;
+        each (slot, adapter) written is appended to `written` when given."""
         wanted = {a.int_id: a for a in adapters}
         if len(wanted) > self.num_slots:
             raise TessellmError(f"a step has {len(wanted)} adapters, the slot table holds "
@@ -50,7 +52,9 @@ class LoRASlotTable:
         for adapter_id, adapter in wanted.items():
             if adapter_id not in self._resident:
                 self._resident[adapter_id] = self._free_slot(wanted)
-                self._write(self._resident[adapter_id], adapter)
+                self.write(self._resident[adapter_id], adapter)
+                if written is not None:
+                    written.append((self._resident[adapter_id], adapter))
         return {i: self._resident[i] for i in wanted}
 
     def _free_slot(self, keep: dict[int, LoRAAdapter]) -> int:
@@ -65,7 +69,8 @@ class LoRASlotTable:
         """Forget a resident adapter (unloaded): its slot is free for the next one."""
         self._resident.pop(adapter_id, None)
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` in `slot` (a tensor-parallel worker: as its leader said)."""
         R = self.max_rank
         for site, a_table, b_table in self._tables:
             a_table[slot].zero_()

@@ -226,6 +226,29 @@ def shard_weights(full: ModelGraph, shard: Shard) -> dict[str, Weight]:
     return {name: split[name](w) if name in split else w for name, w in full.weights.items()}
 
 
+def shard_lora_weights(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                       shard: Shard) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """A LoRA adapter's (A [r, in], B [out, r]) per (layer, module) as this rank holds them,
+    split like their base linears: a column-parallel module keeps A whole and the B rows of
+    the rank's outputs; a row-parallel one the A columns of the rank's inputs and B whole
+    (its term over the rank's inputs is partial, like the base linear's output, and the
+    all_reduce after the linear sums both)."""
+    out = {}
+    for (layer, module), (a, b) in weights.items():
+        unit = HEAD_ROWS.get(module) or FEATURE_ROWS.get(module)
+        if unit is not None:
+            lo, hi = _range(shard, unit)
+            b = b[lo:hi].contiguous()
+        elif module in ROW_PARALLEL:
+            lo, hi = _range(shard, ROW_PARALLEL[module])
+            a = a[:, lo:hi].contiguous()
+        else:
+            raise UnsupportedModelError(f"tensor parallelism: LoRA on module {module!r} has "
+                                        "no sharding rule")
+        out[(layer, module)] = (a, b)
+    return out
+
+
 def _insert_after(g: fx.Graph, node: fx.Node, make: Callable[[fx.Node], fx.Node]) -> None:
     """Route every user of `node` through the node(s) `make` builds on it."""
     users = list(node.users)

@@ -1,6 +1,7 @@
 """What the leader (rank 0, which schedules and samples) tells its worker ranks, as msgspec
 structs over the control channel. A worker replays them in order: after `WorkerInit` it
-builds its shard; then every `BlockOps` and `Batch` is the same device work rank 0 does."""
+builds its shard; then every `BlockOps` and `Batch` is the same device work rank 0 does,
+and every `LoRALoad` the same LoRA slot write (before the Batch that reads it)."""
 from __future__ import annotations
 
 import msgspec
@@ -42,21 +43,33 @@ class Batch(msgspec.Struct, tag="batch"):
     width: int
     pad: tuple[int, int, bool] | None = None
     tables: bytes = b""
+    lora_slots: list[int] = []
 
     @classmethod
     def of(cls, rows: ForwardRows, tables: bytes) -> Batch:
         return cls(rows.token_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
                    rows.query_lens, rows.logits_indices, rows.num_decodes, rows.rows,
-                   rows.width, rows.pad, tables)
+                   rows.width, rows.pad, tables, rows.lora_slots)
 
     def forward_rows(self) -> ForwardRows:
         return ForwardRows(self.token_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.query_lens, self.logits_indices, self.num_decodes, self.rows,
-                           self.width, None if self.pad is None else tuple(self.pad))
+                           self.width, None if self.pad is None else tuple(self.pad),
+                           self.lora_slots)
+
+
+class LoRALoad(msgspec.Struct, tag="lora_load"):
+    """Put a LoRA adapter into a slot of the worker's table (the leader wrote its own for the
+    next Batch); the worker reads it from `path` and keeps its split."""
+
+    slot: int
+    name: str
+    int_id: int
+    path: str
 
 
 class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-ControlMessage = WorkerInit | BlockOps | Batch | Stop
+ControlMessage = WorkerInit | BlockOps | Batch | LoRALoad | Stop

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from tessellm.config import EngineConfig
 from tessellm.parallel.group import ParallelGroup, join
 from tessellm.parallel.launch import JOINED_KEY, LEADER_PID_ENV
-from tessellm.parallel.messages import Batch, BlockOps, Stop, WorkerInit
+from tessellm.lora.manager import LoRAManager
+from tessellm.lora.request import LoRARequest
+from tessellm.parallel.messages import Batch, BlockOps, LoRALoad, Stop, WorkerInit
 
 log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 120.0
@@ -44,6 +46,7 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
 
     parts = build_engine_parts(config, parallel=group)
     runner = make_model_runner(parts)
+    lora = LoRAManager.of(parts)
     if config.kernel_selection != "first":
         choose_kernels(parts, sample_kernels=False)
     group.wait_ready()
@@ -54,6 +57,8 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
             return
         if isinstance(message, BlockOps):
             swapped_in = runner.run_block_ops(message)
+        elif isinstance(message, LoRALoad) and lora is not None:
+            lora.load_into(message.slot, LoRARequest(message.name, message.int_id, message.path))
         elif isinstance(message, Batch):
             _, uploaded = runner.run_rows(message.forward_rows(), swapped_in,
                                           tables=message.tables)
