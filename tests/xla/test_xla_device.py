@@ -69,3 +69,23 @@ def test_compile_count_reaches_the_core_stats(xla_llm) -> None:
     from tessellm.engine.engine_core import core_stats
     counters = core_stats(xla_llm.engine).device_counters
     assert counters["xla_compilations"] >= len(xla_llm.engine.runner.static_shapes.shapes())
+
+
+def test_lora_batch_equals_the_cpu_engine(stories_dir, tmp_path) -> None:
+    """LoRA on xla (the portable lora_add, static shapes): a batch mixing two adapters and
+    the base model gives the CPU engine's tokens, and nothing compiles after start-up."""
+    from tessellm import LoRARequest
+    from tessellm.cli.bench_lora import random_adapters
+    options = dict(OPTIONS, enable_lora=True, max_loras=2, max_lora_rank=8)
+    cpu = LLM(str(stories_dir), device="cpu", kernel_selection="first", **options)
+    loras: list[LoRARequest | None] = random_adapters(cpu, 2, 8, seed=3, b_scale=0.5)
+    loras.insert(1, None)
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = [o.token_ids for o in cpu.generate(prompts, params, lora_request=loras)]
+    llm = LLM(str(stories_dir), device="xla", **options)
+    dev = llm.engine.parts.device
+    before = dev.runtime_counters()["xla_compilations"]
+    assert [o.token_ids for o in llm.generate(prompts, params, lora_request=loras)] == want
+    assert dev.runtime_counters()["xla_compilations"] == before
+    assert len({tuple(t) for t in want}) == 3

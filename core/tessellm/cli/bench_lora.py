@@ -24,9 +24,10 @@ def lora_options(a: Any, options: dict[str, Any]) -> dict[str, Any]:
     return {"enable_lora": True, "max_loras": n, "max_lora_rank": a.lora_rank, **options}
 
 
-def random_adapters(llm: Any, n: int, rank: int, seed: int = 0) -> list[Any]:
+def random_adapters(llm: Any, n: int, rank: int, seed: int = 0,
+                    b_scale: float = 0.01) -> list[Any]:
     """N adapters over `llm`'s model as LoRARequests (files under a temporary directory that
-    lives as long as the process)."""
+    lives as long as the process); B's entries are N(0, b_scale^2)."""
     from tessellm import LoRARequest
     sites = llm.engine.parts.lora_sites
     if not sites:
@@ -44,7 +45,7 @@ def random_adapters(llm: Any, n: int, rank: int, seed: int = 0) -> list[Any]:
                 tensors[f"{key}.lora_A.weight"] = torch.randn(
                     (rank, site.in_features), generator=gen) * site.in_features ** -0.5
                 tensors[f"{key}.lora_B.weight"] = torch.randn(
-                    (part.out_features, rank), generator=gen) * 0.01
+                    (part.out_features, rank), generator=gen) * b_scale
         directory = root / f"adapter{i}"
         directory.mkdir()
         save_file(tensors, str(directory / "adapter_model.safetensors"))

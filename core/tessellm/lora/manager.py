@@ -16,7 +16,7 @@ reports the (slot, adapter) pairs it wrote, which its workers load into the same
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,13 +38,15 @@ class AdapterCounts:
 
 class LoRAManager:
     def __init__(self, sites: list[LoRASite], weights: dict[str, torch.Tensor],
-                 max_loras: int, max_rank: int, max_cpu_loras: int, shard: Any = None) -> None:
-        """`shard`: this rank's tessellm.models.sharding.Shard (None: one rank)."""
+                 max_loras: int, max_rank: int, max_cpu_loras: int, shard: Any = None,
+                 synchronize: Callable[[], None] = lambda: None) -> None:
+        """`shard`: this rank's tessellm.models.sharding.Shard (None: one rank);
+        `synchronize`: the device's (LoRASlotTable)."""
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.shard = shard
         self.shapes = module_shapes(sites, None if shard is None else shard.spec)
-        self.slots = LoRASlotTable(sites, weights, max_loras, max_rank)
+        self.slots = LoRASlotTable(sites, weights, max_loras, max_rank, synchronize)
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.counts: dict[str, AdapterCounts] = {}
 
@@ -114,7 +116,7 @@ class LoRAManager:
             from tessellm.models.sharding import Shard
             shard = Shard(parts.parallel.rank, parts.parallel.world_size, parts.spec)
         return cls(parts.lora_sites, parts.weights, c.max_loras, c.max_lora_rank,
-                   c.max_cpu_loras or c.max_loras, shard)
+                   c.max_cpu_loras or c.max_loras, shard, parts.device.synchronize)
 
     def count(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0,
               requests: int = 0) -> None:

@@ -12,7 +12,7 @@ adapter, and the rows of other adapters read their own slots, untouched by it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -23,12 +23,22 @@ from tessellm.lora.sites import LoRASite
 
 class LoRASlotTable:
     def __init__(self, sites: list[LoRASite], weights: dict[str, torch.Tensor],
-                 max_loras: int, max_rank: int) -> None:
+                 max_loras: int, max_rank: int,
+                 synchronize: Callable[[], None] = lambda: None) -> None:
+        """`synchronize`: the device's; called after each write, so a lazy device (xla) runs
+        the write as a graph of its own (the same every time) instead of in a step's."""
         self.sites = sites
         self.max_rank = max_rank
         self.num_slots = max_loras
         self._tables = [(s, weights[s.a_name], weights[s.b_name]) for s in sites]
+        self._synchronize = synchronize
         self._resident: OrderedDict[int, int] = OrderedDict()   # adapter id -> slot, LRU first
+        self.num_loads = 0
+        # every slot written once (zeros) at start-up: a device that compiles in-place
+        # updates (xla) compiles the write's graph now, not at a step
+        empty = LoRAAdapter("", 0, 0, 1.0, {})
+        for slot in range(max_loras):
+            self.write(slot, empty)
         self.num_loads = 0
 
     def slot_of(self, adapter_id: int) -> int | None:
@@ -70,18 +80,26 @@ class LoRASlotTable:
         self._resident.pop(adapter_id, None)
 
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Put `adapter` in `slot` (a tensor-parallel worker: as its leader said)."""
+        """Put `adapter` in `slot` (a tensor-parallel worker: as its leader said). Each site's
+        slot is built whole on the host (zeros where the adapter has no part or a smaller
+        rank) and copied in with one index_copy_ per table whose index is a tensor, so every
+        write has the same shapes whatever the adapter and slot (one compiled graph on a
+        static-shape device)."""
         R = self.max_rank
         for site, a_table, b_table in self._tables:
-            a_table[slot].zero_()
-            b_table[slot].zero_()
+            a_block = torch.zeros(a_table.shape[1:], dtype=a_table.dtype)
+            b_block = torch.zeros(b_table.shape[1:], dtype=b_table.dtype)
             for p, part in enumerate(site.parts):
                 ab = adapter.weights.get((site.layer, part.module))
                 if ab is None:
                     continue
                 a, b = ab
                 r = a.shape[0]
-                a_table[slot, p * R:p * R + r].copy_(a)
-                rows = slice(part.out_offset, part.out_offset + part.out_features)
-                b_table[slot, p * R:p * R + r, rows].copy_(b.T)
+                a_block[p * R:p * R + r] = a
+                b_block[p * R:p * R + r, part.out_offset:part.out_offset + part.out_features] \
+                    = b.T
+            index = torch.tensor([slot], dtype=torch.int64, device=a_table.device)
+            a_table.index_copy_(0, index, a_block.unsqueeze(0).to(a_table.device))
+            b_table.index_copy_(0, index, b_block.unsqueeze(0).to(b_table.device))
+        self._synchronize()
         self.num_loads += 1
