@@ -54,6 +54,8 @@ DIMS: dict[str, list[dict[str, int]]] = {
     "fused_moe_packed": [{"hidden": 64, "features": 32, "experts": 4, "top_k": 2, "qtype": q,
                           "qtype_down": q} for q in (2, 3, 8)],
     "sigmoid_gate": [{"hidden": 64}],
+    "lora_add": [{"in_features": 64, "out_features": 96, "slots": 4, "rank": 16},
+                 {"in_features": 96, "out_features": 37, "slots": 1, "rank": 24}],
 }
 TOKENS = [1, 3, 17, 130]
 # kernels offered only for some calls: what each claims (checked both ways below)
