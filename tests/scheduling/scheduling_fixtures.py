@@ -22,11 +22,13 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
                    budget: int = 64, max_model_len: int = 256,
                    levels: int = 3, aging: int = 0, caching: bool = False,
                    sla: SLAConfig | None = None, swap_blocks: int | None = None,
-                   window: int = 0) -> Scheduler:
+                   window: int = 0, max_loras: int = 0) -> Scheduler:
     """swap_blocks: None for recompute preemption, else swap mode with that many host blocks.
-    window: the KV manager's sliding window (blocks out of it are released)."""
+    window: the KV manager's sliding window (blocks out of it are released). max_loras: LoRA
+    adapters running at most (0: off)."""
     cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, levels, aging, sla,
-                          "recompute" if swap_blocks is None else "swap", swap_blocks or 0)
+                          "recompute" if swap_blocks is None else "swap", swap_blocks or 0,
+                          max_loras)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching,
                                          sliding_window=window))
 
