@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lora_fixtures import make_adapter, make_base
-from server_fixtures import assert_error_body, metrics, request, running_server, wait_idle
+from server_fixtures import assert_error_body, request, running_server, wait_idle
 from tessellm import LLM, LoRARequest, SamplingParams
 
 KEY = "lora-test-key"

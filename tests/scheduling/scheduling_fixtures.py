@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessellm.cache.kv_manager import KVCacheManager
-from tessellm.request import Request, RequestStatus
+from tessellm.request import FinishReason, Request, RequestStatus
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
 
@@ -106,6 +106,16 @@ class Tracker:
         while self.sched.has_unfinished:
             self.step()
             assert self.steps < max_steps
+
+
+def assert_finished_as_alone(request: Request, max_tokens: int) -> None:
+    """`request` finished by length with the tokens its prompt gets alone in a large pool."""
+    alone = Tracker(make_scheduler(num_blocks=256))
+    ref = alone.add(make_request("x", len(request.prompt_token_ids), max_tokens,
+                                 tokens=request.prompt_token_ids))
+    alone.run()
+    assert request.finish_reason is FinishReason.LENGTH
+    assert request.output_token_ids == ref.output_token_ids
 
 
 def check_limits_and_blocks(sched: Scheduler, out: SchedulerOutput) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from scheduling_fixtures import Tracker, check_step, make_request, make_scheduler
+from scheduling_fixtures import (Tracker, assert_finished_as_alone, check_step, make_request,
+                                 make_scheduler)
 from tessellm.request import FinishReason, Request, RequestStatus
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduling import SchedulerError
@@ -248,12 +249,8 @@ def test_random_priority_workloads(reqs: list[tuple[int, int, int, int]], block_
         assert t.steps < 5000
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert sched.num_waiting == sched.num_running == 0
-    for r, (p, m, _, _) in zip(requests, reqs):
-        alone = Tracker(make_scheduler(num_blocks=256))
-        ref = alone.add(make_request("x", p, m, tokens=r.prompt_token_ids))
-        alone.run()
-        assert r.finish_reason is FinishReason.LENGTH
-        assert r.output_token_ids == ref.output_token_ids
+    for r, (_, m, _, _) in zip(requests, reqs):
+        assert_finished_as_alone(r, m)
     event(f"preemptions: {min(sched.num_preemptions, 3)}")
     event(f"evictions for a better waiting request: {min(t.evictions_for_waiting, 2)}")
 

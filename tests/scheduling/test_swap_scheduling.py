@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from hypothesis import event, given, settings, strategies as st
 
-from scheduling_fixtures import Tracker, check_step, make_request, make_scheduler
+from scheduling_fixtures import (Tracker, assert_finished_as_alone, check_step, make_request,
+                                 make_scheduler)
 from tessellm.cache.block_pool import BlockPoolError
 from tessellm.cache.host_pool import HostBlockPool
 from tessellm.cache.kv_manager import KVCacheManager
@@ -92,11 +93,7 @@ def test_random_swap_workloads(reqs, block_size, extra_blocks, max_num_seqs, bud
     for r, (p, m, _, _) in zip(requests, reqs):
         if r.request_id in aborted:
             continue
-        alone = Tracker(make_scheduler(num_blocks=256))
-        ref = alone.add(make_request("x", p, m, tokens=r.prompt_token_ids))
-        alone.run()
-        assert r.finish_reason is FinishReason.LENGTH
-        assert r.output_token_ids == ref.output_token_ids
+        assert_finished_as_alone(r, m)
     event(f"swap-outs: {min(stats.swap_outs, 3)}; fallbacks: {min(stats.fallbacks, 1)}")
 
 
