@@ -39,7 +39,6 @@ from tessellm.errors import InvalidRequestError, TessellmError
 from tessellm.lora.manager import LoRAManager
 from tessellm.lora.request import LoRARequest
 from tessellm.parallel.group import ParallelGroupError
-from tessellm.parallel.messages import LoRALoad
 from tessellm.request import FinishReason, Request, sample_ids
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, SLAConfig
@@ -194,7 +193,7 @@ class LLMEngine:
         one that cannot be used)."""
         base = request_id or f"req-{next(self._ids)}"
         now = time.monotonic()
-        adapter = self._adapter(lora_request)
+        adapter = LoRAManager.adapter_of(self.lora, lora_request)
         constraint = self._constraint(params)
         requests = [
             Request(rid, list(prompt_token_ids),
@@ -204,22 +203,13 @@ class LLMEngine:
                     constraint=constraint if constraint is None or n == 1
                     else constraint.fork(), adapter=adapter)
             for i, rid in enumerate(sample_ids(base, n))]
-        if adapter is not None:
-            self.lora.count(adapter.name, len(prompt_token_ids), requests=n)
         if n == 1:
             self.scheduler.add_request(requests[0])
         else:
             self.scheduler.add_request_group(requests[0], requests[1:])
+        if self.lora is not None:   # counted once queued: a refused request counts nowhere
+            self.lora.count_queued(requests)
         return requests
-
-    def _adapter(self, lora_request: LoRARequest | None):
-        """The loaded adapter of a request (None: the base model)."""
-        if lora_request is None:
-            return None
-        if self.lora is None:
-            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is "
-                                      "off)", "lora_request")
-        return self.lora.adapter_for(lora_request)
 
     def abort(self, request_id: str) -> None:
         self.finish_requests([request_id], FinishReason.ABORT)
@@ -237,10 +227,7 @@ class LLMEngine:
             for request in finished:
                 self.speculator.release(request)
         if self.lora is not None:
-            for request in finished:
-                if request.adapter is not None:
-                    self.lora.count(request.adapter.name,
-                                    generated_tokens=len(request.output_token_ids))
+            self.lora.count_finished(finished)
         return finished
 
     def has_unfinished(self) -> bool:
@@ -318,9 +305,8 @@ class LLMEngine:
         flight, still completes first."""
         try:
             if self.lora is not None:   # the step's adapters into device slots (every rank's)
-                for slot, adapter in self.lora.assign([s.request for s in out.scheduled]):
-                    self.runner.send_to_followers(
-                        LoRALoad(slot, adapter.name, adapter.int_id, adapter.path))
+                self.lora.assign([s.request for s in out.scheduled],
+                                 self.runner.send_to_followers)
             launched = self.runner.launch(out, self.kv, previous)
         except Exception as exc:
             error = self._fail_step(out, exc)

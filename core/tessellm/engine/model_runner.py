@@ -211,7 +211,8 @@ class ModelRunner:
         n = len(s.query_lens)
         tables_np = self.staging.host_bufs["block_tables"].numpy()
         ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
-        lora_slots = s.lora_slots if self.lora else []
+        lora_slots = [slot for slot, q in zip(s.row_lora_slots, s.query_lens)
+                      for _ in range(q)] if self.lora else []   # one per token
         seq_lens, query_lens = s.seq_lens, s.query_lens
         logits_idx = s.all_logits_indices or [0]
         num_decodes = s.num_decodes
@@ -260,7 +261,7 @@ class ModelRunner:
         if feed is not None:
             values.update(feed_rows=feed[0], feed_src=feed[1])
         if self.lora:
-            values[LORA_SLOTS_FEED] = b.lora_slots or [-1] * len(b.token_ids)
+            values[LORA_SLOTS_FEED] = b.lora_slots
         dev, uploaded = self.staging.upload(values)
         if feed is not None:   # compute stream, after the upload: the pending ids
             ids = self.staging.dev_bufs["input_ids"]

@@ -81,7 +81,7 @@ class StepInputs:
     # request (request, first prompt position, how many positions) in that order
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
-    lora_slots: list[int] = field(default_factory=list)   # per token row: its adapter's slot
+    row_lora_slots: list[int] = field(default_factory=list)   # per row: its adapter's slot
 
     @property
     def all_logits_indices(self) -> list[int]:
@@ -139,7 +139,7 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     start + j + 1 positions of the same block table (the step writes every row's KV before
     any row attends, so row j sees the drafts before it): a verify step is a decode step of
     more rows, on the decode kernels and programs. Each row is sampled (sample_offsets j).
-    Every token row carries its request's LoRA slot (request.lora_slot, -1: none)."""
+    Every row carries its request's LoRA slot (request.lora_slot, -1: none)."""
     s = StepInputs()
     for sched in out.scheduled:
         r, n, drafts = sched.request, sched.num_tokens, sched.draft_token_ids
@@ -162,11 +162,11 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
                 s.prompt_rows += range(row0 + first, row0 + last)
                 s.prompt_spans.append((r, first, last - first))
         s.token_ids += r.token_ids_slice(start, stop)
-        s.lora_slots += [r.lora_slot] * n
         s.positions += range(start, stop)
         s.slot_mapping += kv.slot_mapping(r, start, stop)
         s.block_tables.append(kv.block_table_view(r.request_id))
         s.row_request_ids.append(r.request_id)
+        s.row_lora_slots.append(r.lora_slot)
         s.seq_lens.append(stop)
         s.query_lens.append(n)
         if stop == r.num_tokens:  # fully computed after this step: sample its next token
@@ -190,11 +190,11 @@ def _verify_rows(s: StepInputs, r: Request, drafts: Sequence[int], start: int,
     first = len(s.token_ids)
     s.token_ids += r.token_ids_slice(start, start + 1)
     s.token_ids += drafts
-    s.lora_slots += [r.lora_slot] * count
     s.positions += range(start, start + count)
     s.slot_mapping += kv.slot_mapping(r, start, start + count)
     s.block_tables += [table] * count
     s.row_request_ids += [r.request_id] * count
+    s.row_lora_slots += [r.lora_slot] * count
     s.seq_lens += range(start + 1, start + count + 1)
     s.query_lens += [1] * count
     s.logits_indices += range(first, first + count)

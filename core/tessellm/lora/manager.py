@@ -10,7 +10,7 @@
 
 Tensor parallelism: adapters are checked against the whole model's shapes and each rank
 holds its split of them (tessellm.models.sharding.shard_lora_weights); the leader's `assign`
-reports the (slot, adapter) pairs it wrote, which its workers load into the same slots
+sends a LoRALoad per slot it wrote, and its workers load the adapter into the same slot
 (`load_into`, from the adapter's path).
 """
 from __future__ import annotations
@@ -50,10 +50,6 @@ class LoRAManager:
         self._cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.counts: dict[str, AdapterCounts] = {}
 
-    @property
-    def max_loras(self) -> int:
-        return self.slots.num_slots
-
     def adapter_for(self, request: LoRARequest) -> LoRAAdapter:
         """The loaded adapter of `request` (read and checked if not cached); raises
         InvalidRequestError (param "lora_request") when it cannot be used."""
@@ -90,15 +86,17 @@ class LoRAManager:
         self._cache.pop(lora_int_id, None)
         self.slots.evict(lora_int_id)
 
-    def assign(self, requests: list) -> list[tuple[int, LoRAAdapter]]:
-        """Slots for the adapters of a step's requests (`request.adapter`, None: base);
-        returns the (slot, adapter) pairs written for this step."""
+    def assign(self, requests: list, send: Callable[[object], None]) -> None:
+        """Slots for the adapters of a step's requests (`request.adapter`, None: base); each
+        slot written is announced through `send` (a LoRALoad for tensor-parallel workers)."""
+        from tessellm.parallel.messages import LoRALoad
         written: list[tuple[int, LoRAAdapter]] = []
         slot_of = self.slots.assign({r.adapter.int_id: r.adapter for r in requests
                                      if r.adapter is not None}.values(), written)
         for r in requests:
             r.lora_slot = -1 if r.adapter is None else slot_of[r.adapter.int_id]
-        return written
+        for slot, adapter in written:
+            send(LoRALoad(slot, adapter.name, adapter.int_id, adapter.path))
 
     def load_into(self, slot: int, request: LoRARequest) -> None:
         """A tensor-parallel worker: put the adapter in `slot`, as the leader did."""
@@ -118,9 +116,29 @@ class LoRAManager:
         return cls(parts.lora_sites, parts.weights, c.max_loras, c.max_lora_rank,
                    c.max_cpu_loras or c.max_loras, shard, parts.device.synchronize)
 
-    def count(self, name: str, prompt_tokens: int = 0, generated_tokens: int = 0,
-              requests: int = 0) -> None:
-        c = self.counts.setdefault(name, AdapterCounts())
-        c.requests += requests
-        c.prompt_tokens += prompt_tokens
-        c.generated_tokens += generated_tokens
+    def count_queued(self, requests: list) -> None:
+        """A queued group's samples and (once) its prompt tokens, under its adapter."""
+        adapter = requests[0].adapter
+        if adapter is not None:
+            c = self.counts.setdefault(adapter.name, AdapterCounts())
+            c.requests += len(requests)
+            c.prompt_tokens += requests[0].num_prompt_tokens
+
+    def count_finished(self, requests: list) -> None:
+        """Finished requests' generated tokens, under their adapters."""
+        for r in requests:
+            if r.adapter is not None:
+                c = self.counts.setdefault(r.adapter.name, AdapterCounts())
+                c.generated_tokens += len(r.output_token_ids)
+
+    @staticmethod
+    def adapter_of(manager: LoRAManager | None, request: LoRARequest | None
+                   ) -> LoRAAdapter | None:
+        """The loaded adapter of a request to an engine whose manager is `manager` (None:
+        LoRA off); None for the base model; InvalidRequestError when it cannot be used."""
+        if request is None:
+            return None
+        if manager is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is "
+                                      "off)", "lora_request")
+        return manager.adapter_for(request)

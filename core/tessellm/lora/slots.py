@@ -41,13 +41,6 @@ class LoRASlotTable:
             self.write(slot, empty)
         self.num_loads = 0
 
-    def slot_of(self, adapter_id: int) -> int | None:
-        return self._resident.get(adapter_id)
-
-    @property
-    def resident(self) -> list[int]:
-        return list(self._resident)
-
     def assign(self, adapters: Iterable[LoRAAdapter],
                written: list[tuple[int, LoRAAdapter]] | None = None) -> dict[int, int]:
         """Slots for the step's adapters (adapter id -> slot), loading the missing ones;
@@ -60,11 +53,12 @@ class LoRASlotTable:
             if adapter_id in self._resident:
                 self._resident.move_to_end(adapter_id)
         for adapter_id, adapter in wanted.items():
-            if adapter_id not in self._resident:
-                self._resident[adapter_id] = self._free_slot(wanted)
-                self.write(self._resident[adapter_id], adapter)
+            if adapter_id not in self._resident:   # resident only once written in full
+                slot = self._free_slot(wanted)
+                self.write(slot, adapter)
+                self._resident[adapter_id] = slot
                 if written is not None:
-                    written.append((self._resident[adapter_id], adapter))
+                    written.append((slot, adapter))
         return {i: self._resident[i] for i in wanted}
 
     def _free_slot(self, keep: dict[int, LoRAAdapter]) -> int:
