@@ -165,6 +165,8 @@ def test_bad_adapters_are_refused_and_nothing_is_queued(llama: Adapters, tmp_pat
         with pytest.raises(InvalidRequestError, match=message):
             llm.generate([ids], GREEDY, lora_request=lora)
         assert not llm.engine.has_unfinished()
+    # a refused request leaves no adapter state: no counters, no slot written
+    assert llm.engine.lora.counts == {} and llm.engine.lora.slots.num_loads == 0
     llm.generate([ids], GREEDY, lora_request=llama.requests[0])
     with pytest.raises(InvalidRequestError, match="lora_int_id 1 is adapter 'ad0'"):
         llm.generate([ids], GREEDY, lora_request=LoRARequest("other", 1, "/x"))
