@@ -95,6 +95,11 @@ class BlockPool:
             raise BlockPoolError(f"block {block_id} is free and cannot be cached")
         return self._cached.insert(block_hash, block_id)
 
+    @property
+    def cached_blocks(self) -> CachedBlockMap:
+        """The prefix cache's hash <-> block map (its change log: CachedBlockMap)."""
+        return self._cached
+
     def allocate(self, n: int) -> list[int]:
         """Take `n` blocks from the head of the free queue; each leaves with reference count 1
         and out of the prefix cache (an evicted cached block's hash is dropped).

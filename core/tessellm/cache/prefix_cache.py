@@ -17,6 +17,9 @@ another's KV; with sha256 that needs 2**128 work, so it is treated as impossible
 `CachedBlockMap` holds the cached blocks: hash -> block id and back. Invariants: the two maps
 are inverse bijections (one block per hash, one hash per block); what a block's reference
 count is, and when it is evicted, is the BlockPool's business (it owns one of these maps).
+Once `record_changes()` is called it also keeps the net change since the last
+`take_changes()` (hashes stored, hashes removed): an engine core that publishes its cache for
+prefix-aware routing (tessellm.ray) sends these, so a front end can mirror the hash set.
 """
 from __future__ import annotations
 
@@ -65,11 +68,26 @@ def extend_block_hashes(hashes: list[BlockHash], num_full_blocks: int, block_siz
 class CachedBlockMap:
     """hash -> block id and block id -> hash, kept inverse to each other."""
 
-    __slots__ = ("_by_hash", "_by_block")
+    __slots__ = ("_by_hash", "_by_block", "_changes")
 
     def __init__(self) -> None:
         self._by_hash: dict[BlockHash, int] = {}
         self._by_block: dict[int, BlockHash] = {}
+        self._changes: dict[BlockHash, bool] | None = None   # hash -> cached now (net)
+
+    def record_changes(self) -> list[BlockHash]:
+        """Start keeping the net change of the hash set; returns the hashes cached now."""
+        self._changes = {}
+        return list(self._by_hash)
+
+    def take_changes(self) -> tuple[list[BlockHash], list[BlockHash]]:
+        """(stored, removed) since the previous call: applied to the set as of that call they
+        give the set now. Empty lists when changes are not recorded."""
+        if not self._changes:
+            return [], []
+        changes, self._changes = self._changes, {}
+        return ([h for h, cached in changes.items() if cached],
+                [h for h, cached in changes.items() if not cached])
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -88,6 +106,8 @@ class CachedBlockMap:
             return False
         self._by_hash[block_hash] = block_id
         self._by_block[block_id] = block_hash
+        if self._changes is not None:
+            self._changes[block_hash] = True
         return True
 
     def evict(self, block_id: int) -> bool:
@@ -96,6 +116,8 @@ class CachedBlockMap:
         if block_hash is None:
             return False
         del self._by_hash[block_hash]
+        if self._changes is not None:
+            self._changes[block_hash] = False
         return True
 
 

@@ -223,7 +223,8 @@ def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "header_timeout_s",
                     "body_timeout_s", "keepalive_timeout_s", "max_connections",
                     "tool_call_parser", "grpc_port", "otlp_traces_endpoint", "lora_modules",
-                    "allow_runtime_lora")
+                    "allow_runtime_lora", "data_parallel_size", "ray_address", "dp_routing",
+                    "replica_max_restarts")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
     return load_configs(a.config, overrides)
@@ -334,6 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "object {\"name\", \"path\"}; a request's `model` names one")
     s.add_argument("--allow-runtime-lora", action="store_true", default=None,
                    help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                   help="N engine-core replicas (each its own KV cache, --threads each) as Ray "
+                        "actors behind this one server; needs tessellm[ray] (default 1: one "
+                        "engine core process, no Ray)")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with -dp N: the Ray cluster to join (default: start a local one "
+                        "with N x --threads CPUs)")
+    s.add_argument("--dp-routing", default=None, choices=["least-loaded", "prefix-aware"],
+                   help="with -dp N: send each request to the replica with the fewest open "
+                        "requests (default), or to the one whose prefix cache holds the "
+                        "longest prefix of its prompt (least-loaded on ties and misses)")
+    s.add_argument("--replica-max-restarts", type=int, default=None, metavar="K",
+                   help="with -dp N: times Ray restarts a replica whose actor died (default 3)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks")

@@ -17,6 +17,8 @@ QueueFullError. Liveness (CoreLiveness): while the core is silent past the heart
 new requests get EngineUnresponsiveError; past the stall timeout the requests in flight end
 with an error too. When the core dies every open stream ends at once with an error,
 `is_alive` turns False, `fatal_error` says why and new requests get EngineDeadError.
+An engine that is one of several replicas (tessellm.ray) has a `name`, which every error it
+fails a request with starts with, and may watch each StepOutputs (`on_outputs`).
 """
 from __future__ import annotations
 
@@ -111,7 +113,8 @@ class AsyncEngine:
     def __init__(self, core: EngineCoreClient, tokenizer: object, max_waiting: int = 256,
                  observer: EngineObserver | None = None,
                  liveness: LivenessConfig = LivenessConfig(),
-                 admission_fault: AdmissionFault | None = None) -> None:
+                 admission_fault: AdmissionFault | None = None, name: str = "",
+                 on_outputs: Callable[[StepOutputs], None] | None = None) -> None:
         if core.ready is None:
             raise EngineDeadError("the engine core is not ready (await wait_ready() first)")
         self.core = core
@@ -122,6 +125,8 @@ class AsyncEngine:
                                     self.info.speculative_tokens)
         self.max_waiting = max_waiting
         self.observer = observer
+        self.name = name
+        self._on_outputs = on_outputs
         self.stats = CoreStats()
         self.detokenize_seconds = 0.0
         self.liveness = CoreLiveness(liveness)
@@ -164,6 +169,16 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests accepted and not yet running (as of the core's latest report)."""
         return max(0, len(self._streams) - self.stats.num_running)
+
+    @property
+    def num_open(self) -> int:
+        """Requests admitted and not finished (running or waiting, as the front end knows)."""
+        return len(self._streams)
+
+    @property
+    def members(self) -> list[tuple[str, AsyncEngine]]:
+        """The engines behind this front end by name: this one ("" when it is the only one)."""
+        return [(self.name, self)]
 
     @property
     def num_queued(self) -> int:
@@ -293,6 +308,8 @@ class AsyncEngine:
 
     def _handle(self, out: StepOutputs) -> None:
         self.stats = out.stats
+        if self._on_outputs is not None:
+            self._on_outputs(out)
         for rid, waited in out.first_scheduled:
             self._unscheduled.discard(rid)
             stream = self._streams.get(rid)
@@ -358,10 +375,14 @@ class AsyncEngine:
                               stalled, len(self._streams))
                     self._stall_reported = True
                 ids = list(self._streams)
-                self._fail_open(f"engine core stalled: {stalled}")
+                self._fail_open(self._named(f"engine core stalled: {stalled}"))
                 self._send_finish(ids, "abort")
 
+    def _named(self, error: str) -> str:
+        return f"{self.name}: {error}" if self.name else error
+
     def _die(self, error: str) -> None:
+        error = self._named(error)
         if self.fatal_error is None:
             self.fatal_error = error
             log.error("engine core dead: %s", error)

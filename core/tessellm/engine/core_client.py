@@ -3,7 +3,9 @@
 `spawn(config)` starts the core in a process of its own (multiprocessing "spawn": a fresh
 interpreter that imports torch itself, so nothing of the front end's state is forked into
 it) connected through ipc:// sockets in a private temporary directory; `in_thread(engine)`
-runs the same loop on a thread over inproc:// sockets (tests, embedding). Either way a core
+runs the same loop on a thread over inproc:// sockets (tests, embedding); `remote(host, start)`
+binds tcp:// sockets on `host` for a core that another launcher starts elsewhere (a Ray
+actor: tessellm.ray), connecting back to them. Either way a core
 that fails to start sends StartupFailed with the reason, which `wait_ready` raises as
 EngineCoreError. Messages are msgspec structs (tessellm.engine.core_messages), never pickles.
 
@@ -34,6 +36,9 @@ from tessellm.engine.core_messages import (Codec, CoreFailed, FromCore, Ready, S
 from tessellm.errors import TessellmError
 
 CoreEntry = Callable[[str, str, str, int], None]   # the core process's target (see spawn)
+# a remote core's launcher (see remote): given the addresses to connect to, it starts the
+# core and returns (is_alive, stop(timeout_s)) for it
+RemoteStart = Callable[[str, str], tuple[Callable[[], bool], Callable[[float], None]]]
 
 
 class EngineCoreError(TessellmError, RuntimeError):
@@ -89,6 +94,23 @@ class EngineCoreClient:
                 proc.join(5)
 
         return cls(ctx, to_core, from_core, proc.is_alive, proc.pid, stop, tmpdir)
+
+    @classmethod
+    def remote(cls, host: str, start: RemoteStart) -> EngineCoreClient:
+        """Bind both sockets on free tcp ports of `host` (an address the core's machine can
+        reach) and call `start` with their addresses; the core it starts connects to them
+        and runs `engine_core.run_core`. `pid` is the core's once Ready names it."""
+        ctx = zmq.Context()
+        to_core, from_core = cls._sockets(ctx, f"tcp://{host}:*", f"tcp://{host}:*")
+        try:
+            is_alive, stop = start(to_core.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                                   from_core.getsockopt(zmq.LAST_ENDPOINT).decode())
+        except BaseException:
+            to_core.close(0)
+            from_core.close(0)
+            ctx.term()
+            raise
+        return cls(ctx, to_core, from_core, is_alive, 0, stop)
 
     @classmethod
     def in_thread(cls, engine: Any) -> EngineCoreClient:
@@ -170,6 +192,7 @@ class EngineCoreClient:
                 message = receive.result()
                 if isinstance(message, Ready):
                     self.ready = message
+                    self.pid = self.pid or message.pid
                     return message
                 if isinstance(message, (StartupFailed, CoreFailed)):
                     raise EngineCoreError(f"the engine core failed to start: {message.error}")

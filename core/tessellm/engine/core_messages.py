@@ -147,6 +147,10 @@ class StepOutputs(msgspec.Struct, tag=True):
     stats: CoreStats
     first_scheduled: list[tuple[str, float]]  # (request id, seconds it waited), new ones
     sent_at: float                            # core's time.time() when sent (IPC time)
+    # a core that publishes its prefix cache (EngineCoreLoop(publish_blocks=True)): the block
+    # hashes cached and evicted since its previous StepOutputs (CachedBlockMap.take_changes)
+    stored_blocks: list[bytes] = []
+    removed_blocks: list[bytes] = []
 
 
 ToCore = AddRequest | FinishRequests | UnloadAdapter | Shutdown

@@ -12,7 +12,9 @@ interpreter lock held), and a growing step age means the step loop is stuck.
 Orderings: a request's deltas are sent in generation order and its last has finished=True;
 a FinishRequests frees the blocks before the next step. A failing step fails only its requests
 (their deltas say so, naming how many failed with them); a bug in the loop sends CoreFailed and
-ends every open request with an error.
+ends every open request with an error. With `publish_blocks` every StepOutputs also carries
+the prefix cache's block hashes stored and evicted since the previous one (the first carries
+the whole set), so a front end routing over replicas (tessellm.ray) mirrors each cache.
 """
 from __future__ import annotations
 
@@ -96,8 +98,10 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
 
 class EngineCoreLoop:
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
-                 parent_pid: int | None = None) -> None:
+                 parent_pid: int | None = None, publish_blocks: bool = False) -> None:
         self.engine = engine
+        self._blocks = engine.kv.pool.cached_blocks if publish_blocks else None
+        self._unpublished = [] if self._blocks is None else self._blocks.record_changes()
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.tracker = DeltaTracker()
@@ -106,6 +110,16 @@ class EngineCoreLoop:
         self._last_sent = 0.0
         self._send_lock = threading.Lock()   # the loop and the heartbeat thread share outbox
         self._step_started: float | None = None   # monotonic start of the running step
+
+    def _outputs(self, deltas: list[TokenDelta], first_scheduled: list[tuple[str, float]]
+                 ) -> StepOutputs:
+        out = StepOutputs(deltas, core_stats(self.engine), first_scheduled, time.time())
+        if self._blocks is not None:
+            out.stored_blocks, out.removed_blocks = self._blocks.take_changes()
+            if self._unpublished:
+                out.stored_blocks = self._unpublished + out.stored_blocks
+                self._unpublished = []
+        return out
 
     def send(self, message: Any) -> None:
         with self._send_lock:
@@ -144,8 +158,7 @@ class EngineCoreLoop:
         except (TessellmError, TypeError, ValueError) as e:
             ids = sample_ids(m.request_id, m.n)
             reason = "rejected" if isinstance(e, TessellmError) else "error"
-            self.send(StepOutputs([TokenDelta.final(rid, reason, str(e)) for rid in ids],
-                                  core_stats(self.engine), [], time.time()))
+            self.send(self._outputs([TokenDelta.final(rid, reason, str(e)) for rid in ids], []))
             return
         for r in requests:
             self.tracker.track(r, m.arrival)
@@ -195,8 +208,7 @@ class EngineCoreLoop:
                 t0 = time.perf_counter()
                 deltas = self.tracker.deltas()
                 if deltas or time.monotonic() - self._last_sent >= HEARTBEAT_S:
-                    self.send(StepOutputs(deltas, core_stats(self.engine),
-                                          self.tracker.first_scheduled(), time.time()))
+                    self.send(self._outputs(deltas, self.tracker.first_scheduled()))
                 stages.add("core_messages", time.perf_counter() - t0)
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     log.error("engine core: the front end (pid %d) is gone; exiting",
@@ -206,8 +218,7 @@ class EngineCoreLoop:
             log.exception("engine core loop died")
             error = f"engine core failure: {type(e).__name__}: {e}"
             try:
-                self.send(StepOutputs(self.tracker.fail_all(error), core_stats(self.engine),
-                                      [], time.time()))
+                self.send(self._outputs(self.tracker.fail_all(error), []))
                 self.send(CoreFailed(error))
             except Exception:  # the socket may be what failed; the process exit still shows
                 pass
@@ -220,10 +231,20 @@ class EngineCoreLoop:
 def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str,
                       parent_pid: int) -> None:
     """The spawned engine-core process's main, called by its entry (core_entry.core_entry by
-    default) with plain strings and the parent's pid, so nothing else is pickled: build the
-    engine and choose kernels, send Ready (or StartupFailed and exit 1), run the loop until
-    Shutdown (exit 1 if it dies), then stop the engine's group."""
+    default) with plain strings and the parent's pid, so nothing else is pickled: run_core,
+    exiting 1 when the core failed to start or its loop died."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[core]: %(message)s")
+    if run_core(config_json, inbox_addr, outbox_addr, parent_pid) is not None:
+        sys.exit(1)
+
+
+def run_core(config_json: str, inbox_addr: str, outbox_addr: str, parent_pid: int | None,
+             publish_blocks: bool = False) -> str | None:
+    """Connect to the front end's sockets, build the engine and choose kernels, send Ready (or
+    StartupFailed), run the loop until Shutdown, then stop the engine's group. Returns None
+    after a Shutdown, else why the core ended (it failed to start, or its loop died; the front
+    end was told). `parent_pid`: the front end's pid when it is this machine's parent process
+    (the core exits when it disappears); None for a core another launcher watches (Ray)."""
     from tessellm.config import EngineConfig
     from tessellm.engine.builder import build_engine_parts
     ctx = zmq.Context()
@@ -242,20 +263,22 @@ def core_process_main(config_json: str, inbox_addr: str, outbox_addr: str,
                        f"weights, {engine.kv.num_blocks} KV blocks)")
     except BaseException as e:
         log.exception("engine core failed to start")
-        outbox.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        error = f"{type(e).__name__}: {e}"
+        outbox.send(codec.encode(StartupFailed(error)))
         outbox.close()
         ctx.term()
-        sys.exit(1)
-    loop = EngineCoreLoop(engine, inbox, outbox, parent_pid)
+        return f"the engine core failed to start: {error}"
+    loop = EngineCoreLoop(engine, inbox, outbox, parent_pid, publish_blocks)
     loop.send(ready)
     if engine.parts.tokenizer is not None:   # constraints' tokenizer, off the step loop
         engine.grammars.prefetch_tokenizer()
     try:
         loop.run()
-    except BaseException:
-        sys.exit(1)
+    except BaseException as e:
+        return f"engine core failure: {type(e).__name__}: {e}"
     finally:
         engine.shutdown()
         inbox.close()
         outbox.close()
         ctx.term()
+    return None

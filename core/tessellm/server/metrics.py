@@ -33,69 +33,83 @@ TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0
 
 
 class EngineCollector(Collector):
-    """Reads the engine core's latest report at every scrape (the event loop's own copy)."""
+    """Reads the engine core's latest report at every scrape (the event loop's own copy).
+    Behind a replica set (tessellm.ray) every per-engine series carries a `replica` label,
+    one sample per replica; a single engine's series have no label."""
 
     def __init__(self, async_engine: AsyncEngine) -> None:
         self._async = async_engine
 
     def collect(self) -> Iterator[Metric]:
-        e = self._async
-        s = e.stats
-        yield GaugeMetricFamily("tessellm:num_requests_running",
-                                "Requests in the running batch", s.num_running)
-        yield GaugeMetricFamily("tessellm:num_requests_waiting",
-                                "Requests accepted and not yet running", e.num_waiting)
-        yield GaugeMetricFamily("tessellm:kv_cache_usage_perc",
-                                "Fraction of KV cache blocks in use (0..1)", s.kv_usage)
-        yield GaugeMetricFamily("tessellm:model_weight_bytes",
-                                "Bytes of model weights on the device (packed ones as stored)",
-                                e.info.weight_bytes)
-        yield GaugeMetricFamily("tessellm:engine_core_alive",
-                                "1 while the engine core process runs, else 0", int(e.is_alive))
-        yield GaugeMetricFamily("tessellm:engine_core_responsive",
-                                "1 while the engine core reports within the heartbeat timeout "
-                                "(and its step is not stalled), else 0",
-                                int(e.is_alive and e.unresponsive_reason is None))
-        yield GaugeMetricFamily("tessellm:engine_core_last_report_age_seconds",
-                                "Seconds since the engine core's latest message",
-                                time.monotonic() - e.last_heard)
-        yield GaugeMetricFamily("tessellm:engine_core_step_age_seconds",
-                                "Seconds the engine core's current step has run (0: none)",
-                                e.liveness.step_age_s)
-        yield CounterMetricFamily("tessellm:prompt_tokens", "Prompt tokens computed",
-                                  s.num_prompt_tokens)
-        yield CounterMetricFamily("tessellm:generation_tokens", "Tokens generated",
-                                  s.num_generated_tokens)
-        yield CounterMetricFamily("tessellm:num_preemptions", "Requests preempted",
-                                  s.num_preemptions)
-        yield CounterMetricFamily("tessellm:engine_steps", "Engine steps run", s.num_steps)
-        yield CounterMetricFamily("tessellm:engine_overlapped_steps", "Engine steps launched "
-                                  "while the previous one was still on the device (async "
-                                  "scheduling)", s.num_overlapped_steps)
-        yield CounterMetricFamily("tessellm:prefix_cache_queries",
-                                  "Prompt tokens looked up in the prefix cache",
-                                  s.prefix_cache_queries)
-        yield CounterMetricFamily("tessellm:prefix_cache_hits",
-                                  "Prompt tokens found in the prefix cache", s.prefix_cache_hits)
-        yield CounterMetricFamily("tessellm:host_device_syncs", "Times the engine core's host "
-                                  "blocked on the device (one per sampling step)",
-                                  s.host_syncs)
-        yield CounterMetricFamily("tessellm:ipc_seconds", "Cumulative seconds from the core "
-                                  "sending a message to the front end reading it",
-                                  e.core.ipc_seconds)
-        stages = CounterMetricFamily("tessellm:engine_stage_seconds",
-                                     "Cumulative seconds per engine stage", labels=["stage"])
-        for stage, seconds in sorted(s.stage_seconds.items()):
-            stages.add_metric([stage], seconds)
-        stages.add_metric(["detokenize"], e.detokenize_seconds)
-        yield stages
-        yield from spec_metrics(s)
-        yield from lora_metrics(s)
-        device = GaugeMetricFamily("tessellm:device_counter", "The device plugin's own "
-                                   "counters (xla: xla_compilations, ...)", labels=["name"])
-        for name, value in sorted(s.device_counters.items()):
-            device.add_metric([name], value)
-        yield device
+        members = self._async.members
+        labelled = any(name for name, _ in members)
+        labels = ["replica"] if labelled else []
+
+        def family(kind, name: str, doc: str, value, extra: tuple[str, ...] = ()
+                   ) -> Metric:   # noqa: ANN001 (a metric family class; value: engine ->)
+            metric = kind(name, doc, labels=labels + list(extra))
+            for replica, e in members:
+                for keys, v in value(e):
+                    metric.add_metric(([replica] if labelled else []) + list(keys), v)
+            return metric
+
+        def one(fn):   # noqa: ANN001, ANN202 (engine -> number) as one unlabelled sample
+            return lambda e: [((), fn(e))]
+
+        gauges = (
+            ("tessellm:num_requests_running", "Requests in the running batch",
+             lambda e: e.stats.num_running),
+            ("tessellm:num_requests_waiting", "Requests accepted and not yet running",
+             lambda e: e.num_waiting),
+            ("tessellm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)",
+             lambda e: e.stats.kv_usage),
+            ("tessellm:model_weight_bytes", "Bytes of model weights on the device (packed "
+             "ones as stored)", lambda e: e.info.weight_bytes),
+            ("tessellm:engine_core_alive", "1 while the engine core process runs, else 0",
+             lambda e: int(e.is_alive)),
+            ("tessellm:engine_core_responsive", "1 while the engine core reports within the "
+             "heartbeat timeout (and its step is not stalled), else 0",
+             lambda e: int(e.is_alive and e.unresponsive_reason is None)),
+            ("tessellm:engine_core_last_report_age_seconds", "Seconds since the engine "
+             "core's latest message", lambda e: time.monotonic() - e.last_heard),
+            ("tessellm:engine_core_step_age_seconds", "Seconds the engine core's current "
+             "step has run (0: none)", lambda e: e.liveness.step_age_s))
+        counters = (
+            ("tessellm:prompt_tokens", "Prompt tokens computed",
+             lambda e: e.stats.num_prompt_tokens),
+            ("tessellm:generation_tokens", "Tokens generated",
+             lambda e: e.stats.num_generated_tokens),
+            ("tessellm:num_preemptions", "Requests preempted",
+             lambda e: e.stats.num_preemptions),
+            ("tessellm:engine_steps", "Engine steps run", lambda e: e.stats.num_steps),
+            ("tessellm:engine_overlapped_steps", "Engine steps launched while the previous "
+             "one was still on the device (async scheduling)",
+             lambda e: e.stats.num_overlapped_steps),
+            ("tessellm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             lambda e: e.stats.prefix_cache_queries),
+            ("tessellm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             lambda e: e.stats.prefix_cache_hits),
+            ("tessellm:host_device_syncs", "Times the engine core's host blocked on the "
+             "device (one per sampling step)", lambda e: e.stats.host_syncs),
+            ("tessellm:ipc_seconds", "Cumulative seconds from the core sending a message to "
+             "the front end reading it", lambda e: e.core.ipc_seconds))
+        for name, doc, fn in gauges:
+            yield family(GaugeMetricFamily, name, doc, one(fn))
+        for name, doc, fn in counters:
+            yield family(CounterMetricFamily, name, doc, one(fn))
+        yield family(CounterMetricFamily, "tessellm:engine_stage_seconds",
+                     "Cumulative seconds per engine stage",
+                     lambda e: [((stage,), seconds)
+                                for stage, seconds in sorted(e.stats.stage_seconds.items())]
+                     + [(("detokenize",), e.detokenize_seconds)], ("stage",))
+        totals = self._async.stats   # a replica set's: the sum of its replicas' reports
+        yield from spec_metrics(totals)
+        yield from lora_metrics(totals)
+        yield family(GaugeMetricFamily, "tessellm:device_counter", "The device plugin's own "
+                     "counters (xla: xla_compilations, ...)",
+                     lambda e: [((name,), value)
+                                for name, value in sorted(e.stats.device_counters.items())],
+                     ("name",))
 
 
 def spec_metrics(s) -> Iterator[Metric]:

@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -73,6 +74,62 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+async def start_core(core_config: EngineConfig, source: ModelSource, config: ServerConfig,
+                     liveness: LivenessConfig, progress: StartupProgress,
+                     core_entry: CoreEntry | None = None) -> tuple[AsyncEngine, Any]:
+    """Spawn the one engine core and load the tokenizer: (its AsyncEngine, not started yet;
+    the tokenizer)."""
+    loop = asyncio.get_running_loop()
+    progress.stage("starting the engine core")
+    core = EngineCoreClient.spawn(core_config, core_entry)
+    try:
+        # the front end imports transformers while the core loads; the core builds the
+        # tokenizer (and saves it to the cache), so the front end's is a read of that copy
+        await asyncio.gather(loop.run_in_executor(None, _import_transformers),
+                             core.wait_ready())
+        progress.stage("loading the tokenizer")
+        tokenizer = await loop.run_in_executor(
+            None, load_source_tokenizer, source, None, cache_root(core_config.cache_dir))
+    except BaseException:
+        await loop.run_in_executor(None, core.close)
+        raise
+    return AsyncEngine(core, tokenizer, max_waiting=config.max_queue, liveness=liveness), \
+        tokenizer
+
+
+async def start_replicas(core_config: EngineConfig, source: ModelSource, config: ServerConfig,
+                         liveness: LivenessConfig, progress: StartupProgress
+                         ) -> tuple[Any, Any]:
+    """--data-parallel-size N: N engine cores as Ray actors (tessellm.ray), routed by one
+    ReplicaSet: (the set, not started yet; the tokenizer). Ray missing, tensor parallelism or
+    a replica that cannot start is an error here, before the server listens."""
+    from tessellm.ray.cluster import import_ray
+    from tessellm.ray.replica_set import ReplicaOptions, ReplicaSet, check_engine_config
+    options = ReplicaOptions(config.data_parallel_size, config.ray_address, config.dp_routing,
+                             config.replica_max_restarts)
+    check_engine_config(core_config)
+    import_ray()
+    loop = asyncio.get_running_loop()
+    progress.stage("loading the tokenizer")
+    tokenizer = await loop.run_in_executor(
+        None, load_source_tokenizer, source, None, cache_root(core_config.cache_dir))
+    progress.stage(f"starting {options.size} engine-core replicas on Ray")
+
+    def make_engine(core: EngineCoreClient, name: str, on_outputs: Any) -> AsyncEngine:
+        return AsyncEngine(core, tokenizer, max_waiting=config.max_queue, liveness=liveness,
+                           name=name, on_outputs=on_outputs)
+
+    return await ReplicaSet.launch(core_config, options, make_engine), tokenizer
+
+
+def engines_line(engine: Any) -> str:
+    """What the start-up line says of the engine cores: their pids (and replica names)."""
+    members = engine.members
+    if len(members) == 1 and not members[0][0]:
+        return f"engine core pid {members[0][1].core.pid}"
+    return ", ".join(f"{name} pid {e.core.pid}" for name, e in members)
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
                core_entry: CoreEntry | None = None) -> int:
     """Start the engine core and serve until a termination signal (0) or the core's death
@@ -98,27 +155,18 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     if config.lora_modules and not core_config.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora (enable_lora: true)")
     progress = StartupProgress()
-    progress.stage("starting the engine core")
-    core = EngineCoreClient.spawn(core_config, core_entry)
-    try:
-        # the front end imports transformers while the core loads; the core builds the
-        # tokenizer (and saves it to the cache), so the front end's is a read of that copy
-        await asyncio.gather(loop.run_in_executor(None, _import_transformers),
-                             core.wait_ready())
-        progress.stage("loading the tokenizer")
-        tokenizer = await loop.run_in_executor(
-            None, load_source_tokenizer, source, None, cache_root(core_config.cache_dir))
-    except BaseException:
-        await loop.run_in_executor(None, core.close)
-        raise
-    async_engine = AsyncEngine(core, tokenizer, max_waiting=config.max_queue,
-                               liveness=LivenessConfig(config.engine_heartbeat_timeout_s,
-                                                       config.engine_stall_timeout_s))
+    liveness = LivenessConfig(config.engine_heartbeat_timeout_s, config.engine_stall_timeout_s)
+    if config.data_parallel_size > 1:
+        async_engine, tokenizer = await start_replicas(core_config, source, config, liveness,
+                                                       progress)
+    else:
+        async_engine, tokenizer = await start_core(core_config, source, config, liveness,
+                                                   progress, core_entry)
     try:   # an adapter of --lora-modules that cannot be served stops the server here
         state = ServerState.build(async_engine, tokenizer, config, source, model_option,
                                   chat_template)
     except BaseException:
-        await loop.run_in_executor(None, core.close)
+        await async_engine.shutdown(0.0)
         raise
     state.tracer = tracer
     handler_options = {"access_log_format": ACCESS_LOG_FORMAT,
@@ -149,7 +197,7 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
         log.warning("listening on %s without an API key: anyone who can reach it may use it",
                     config.host)
     print(f"tessellm: serving {state.model_name!r} on {_url(config.host, port)} "
-          f"(engine core pid {core.pid})", flush=True)
+          f"({engines_line(async_engine)})", flush=True)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

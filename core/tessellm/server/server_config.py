@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator,
@@ -67,6 +67,16 @@ class ServerConfig(BaseModel):
     lora_modules: list[str] = Field(default_factory=list, description="LoRA adapters to serve "
                                     "(needs enable_lora): `name=path` or a JSON object "
                                     "{\"name\", \"path\"}; a request's `model` names one")
+    data_parallel_size: int = Field(1, ge=1, description="engine cores (replicas, each with "
+                                    "its own KV cache) behind this front end; more than 1 runs "
+                                    "them as Ray actors (needs `tessellm[ray]`)")
+    ray_address: str | None = Field(None, min_length=1, description="with data_parallel_size "
+                                    "> 1: the Ray cluster to join (default: start a local one)")
+    dp_routing: Literal["least-loaded", "prefix-aware"] = Field(
+        "least-loaded", description="with data_parallel_size > 1: how a request's replica is "
+        "chosen")
+    replica_max_restarts: int = Field(3, ge=0, description="with data_parallel_size > 1: "
+                                      "times Ray restarts a replica whose actor died")
     allow_runtime_lora: bool = Field(False, description="enable POST /v1/load_lora_adapter and "
                                      "/v1/unload_lora_adapter (behind the API key)")
 
@@ -85,6 +95,14 @@ class ServerConfig(BaseModel):
             raise ValueError(f"engine_heartbeat_timeout_s ({self.engine_heartbeat_timeout_s}) "
                              f"must not exceed engine_stall_timeout_s "
                              f"({self.engine_stall_timeout_s})")
+        return self
+
+    @model_validator(mode="after")
+    def _replica_options(self) -> ServerConfig:
+        if self.data_parallel_size == 1 and (self.ray_address is not None
+                                             or self.dp_routing != "least-loaded"):
+            raise ValueError("ray_address and dp_routing apply to replicas: they need "
+                             "data_parallel_size > 1")
         return self
 
     @field_validator("api_key")
