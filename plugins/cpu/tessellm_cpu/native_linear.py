@@ -112,7 +112,7 @@ class _TeamPackedLinear(TeamKernelC):
 class NativePackedLinear(_TeamPackedLinear):
     source, stem, types = NATIVE / "linear_packed.c", "linear_packed", FLOAT_ACTIVATION_TYPES
     op = "linear_packed"
-    # It decodes each block once per tile of 4 rows in float32 FMAs, so past a hundred or so
+    # It decodes each block once per tile of up to 6 rows in float32 FMAs, so past a hundred or so
     # rows dequantize-then-GEMM (oneDNN) wins (measured on SmolLM2's Q4_1 linears).
     max_tokens = 256
 

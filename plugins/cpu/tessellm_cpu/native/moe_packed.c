@@ -101,15 +101,8 @@ static void moe_experts_linear(const MoeScratch *s, int64_t E, const float *x, i
             ahead.left = ((N - gn < NR ? N - gn : NR) * row + 63) / 64;
             ahead.per_step = (ahead.left + steps - 1) / steps;
         }
-        SpreadPrefetch *pf = &ahead;
-        const uint8_t *we = w + e * N * row;
-        const float *xe = x + r0 * K, *xse = s->xs + r0 * nb;
-        float *oe = out + r0 * N;
-        int64_t m0 = 0;
-        for (; m0 + MR <= rows; m0 += MR, pf = NULL)
-            tile_out(xe, xse, K, we, row, qtype, n0, nr, m0, MR, NULL, oe, N, pf);
-        if (m0 < rows)
-            tile_out(xe, xse, K, we, row, qtype, n0, nr, m0, (int)(rows - m0), NULL, oe, N, pf);
+        group_rows(x + r0 * K, s->xs + r0 * nb, K, w + e * N * row, row, qtype, n0, nr, rows,
+                   NULL, out + r0 * N, N, &ahead);
     }
 #else
     for (int64_t c = 0; c < n_chosen; c++) {
