@@ -16,6 +16,10 @@ def test_bench_serve_reports_latency_percentiles(tmp_path, stories_dir):
         result = asyncio.run(run_bench_serve(server.url, num_prompts=6, request_rate=20.0,
                                              input_len=16, output_len=8, api_key="k",
                                              vocab_size=512))
+        shared = asyncio.run(run_bench_serve(server.url, num_prompts=6, request_rate=20.0,
+                                             input_len=8, output_len=4, api_key="k",
+                                             vocab_size=512, shared_prefixes=2,
+                                             prefix_len=64))
         wait_idle(server)
     assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
     assert result["output_tok_per_s"] > 0 and result["req_per_s"] > 0
@@ -23,3 +27,6 @@ def test_bench_serve_reports_latency_percentiles(tmp_path, stories_dir):
         p = result[key]
         assert p["p50"] is not None and p["p50"] <= p["p90"] <= p["p99"]
     assert result["e2e_ms"]["p50"] >= result["ttft_ms"]["p50"]
+    # the shared-prefix workload: 2 prefixes of 64 tokens over 6 requests hit the cache
+    assert shared["workload"] == "shared-prefix" and shared["failed"] == 0, shared["errors"]
+    assert shared["prefix_hit_tokens"] >= 48 and "prefix_hit_tokens_by_replica" not in shared

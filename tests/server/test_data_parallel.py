@@ -80,6 +80,19 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica(dp_server):
     assert sorted(gained.values())[0] == 0 and sorted(gained.values())[1] >= 3 * 64, gained
 
 
+def test_bench_serve_shared_prefix_reports_hits_per_replica(dp_server):
+    import asyncio
+
+    from tessellm.cli.bench_serve import run_bench_serve
+    result = asyncio.run(run_bench_serve(dp_server.url, num_prompts=6, request_rate=0,
+                                         input_len=8, output_len=4, vocab_size=512,
+                                         shared_prefixes=2, prefix_len=64))
+    assert result["failed"] == 0, result["errors"]
+    by_replica = result["prefix_hit_tokens_by_replica"]
+    assert set(by_replica) == {"replica-0", "replica-1"}
+    assert sum(by_replica.values()) == result["prefix_hit_tokens"] > 0
+
+
 def _stream(server, prompt: str, out: dict, started: threading.Event) -> None:
     import http.client
     host, port = server.host_port

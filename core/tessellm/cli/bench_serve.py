@@ -5,6 +5,12 @@ N streaming `/v1/completions` requests with Poisson arrivals at `request_rate` p
 for exactly output_len tokens (ignore_eos). Per request: TTFT (submit to first streamed
 token), TPOT ((end - first token) / (completion tokens - 1)), end-to-end latency. Prints one
 JSON object: request throughput, output token throughput, p50/p90/p99 of TTFT and TPOT.
+
+Shared-prefix workload (`shared_prefixes` > 0, the data-parallel routing figure of issue
+#33): `shared_prefixes` system prompts of `prefix_len` random token ids are drawn first;
+each request is one of them (chosen at random) followed by its own `input_len` random ids.
+The report then adds the prefix-cache hit tokens the run produced (the server's
+`tessellm:prefix_cache_hits` before and after, in total and per `replica` label).
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from tessellm.errors import ConfigError
 
 
 @dataclass(slots=True)
@@ -68,17 +76,49 @@ async def _one(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     return RequestResult(True, ttft if ttft is not None else end, end, usage_tokens)
 
 
+def prefix_hits(metrics_text: str) -> dict[str, float]:
+    """`tessellm:prefix_cache_hits_total` per replica label ("" without one)."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("tessellm:prefix_cache_hits_total"):
+            key, _, value = line.rpartition(" ")
+            replica = key.partition('replica="')[2].partition('"')[0]
+            out[replica] = float(value)
+    return out
+
+
+async def _prefix_hits(session: Any, base: str, headers: dict[str, str]) -> dict[str, float]:
+    async with session.get(f"{base}/metrics", headers=headers) as r:
+        return prefix_hits(await r.text())
+
+
+def make_prompts(rng: np.random.Generator, num_prompts: int, input_len: int, vocab_size: int,
+                 shared_prefixes: int = 0, prefix_len: int = 0) -> list[list[int]]:
+    """W2's random rows, or (shared_prefixes > 0) one of the shared prefixes + a row each."""
+    low, high = min(100, vocab_size - 1), min(32000, vocab_size)
+    rows = rng.integers(low, high, size=(num_prompts, input_len)).tolist()
+    if shared_prefixes <= 0:
+        return rows
+    prefixes = rng.integers(low, high, size=(shared_prefixes, prefix_len)).tolist()
+    which = rng.integers(0, shared_prefixes, size=num_prompts).tolist()
+    return [prefixes[k] + row for k, row in zip(which, rows)]
+
+
 async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input_len: int,
                           output_len: int, seed: int = 0, model: str | None = None,
-                          api_key: str | None = None, vocab_size: int = 32000
+                          api_key: str | None = None, vocab_size: int = 32000,
+                          shared_prefixes: int = 0, prefix_len: int = 1000
                           ) -> dict[str, Any]:
     import aiohttp
 
+    if shared_prefixes < 0 or (shared_prefixes and prefix_len < 1):
+        raise ConfigError("the shared-prefix workload needs --shared-prefixes >= 0 and "
+                         "--prefix-len >= 1")
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(min(100, vocab_size - 1), min(32000, vocab_size),
-                           size=(num_prompts, input_len)).tolist()
+    prompts = make_prompts(rng, num_prompts, input_len, vocab_size, shared_prefixes,
+                           prefix_len)
     gaps = rng.exponential(1.0 / request_rate, size=num_prompts) if request_rate > 0 \
         else np.zeros(num_prompts)
     timeout = aiohttp.ClientTimeout(total=None)
@@ -86,6 +126,7 @@ async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input
         if model is None:
             async with session.get(f"{base}/v1/models", headers=headers) as r:
                 model = (await r.json())["data"][0]["id"]
+        hits_before = await _prefix_hits(session, base, headers)
         tasks = []
         t0 = time.perf_counter()
         for prompt, gap in zip(prompts, gaps):
@@ -97,10 +138,15 @@ async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input
                 _one(session, f"{base}/v1/completions", body, headers)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        hits_after = await _prefix_hits(session, base, headers)
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
+    gained = {k: v - hits_before.get(k, 0.0) for k, v in sorted(hits_after.items())}
     return {
-        "workload": "W2", "url": base, "num_prompts": num_prompts,
+        "workload": "shared-prefix" if shared_prefixes else "W2", "url": base,
+        "num_prompts": num_prompts,
+        **({"shared_prefixes": shared_prefixes, "prefix_len": prefix_len}
+           if shared_prefixes else {}),
         "request_rate": request_rate, "input_len": input_len, "output_len": output_len,
         "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
@@ -109,4 +155,6 @@ async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input
         "ttft_ms": _percentiles([r.ttft_s for r in ok]),
         "tpot_ms": _percentiles([t for r in ok if (t := r.tpot_s) is not None]),
         "e2e_ms": _percentiles([r.latency_s for r in ok]),
+        "prefix_hit_tokens": sum(gained.values()),
+        **({"prefix_hit_tokens_by_replica": gained} if any(k for k in gained) else {}),
     }

@@ -198,7 +198,9 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     target = check_plot_target(a.plot)
     result = asyncio.run(run_bench_serve(a.url, a.num_prompts, a.request_rate, a.input_len,
                                          a.output_len, seed=a.seed, model=a.model,
-                                         api_key=a.api_key, vocab_size=a.vocab_size))
+                                         api_key=a.api_key, vocab_size=a.vocab_size,
+                                         shared_prefixes=a.shared_prefixes,
+                                         prefix_len=a.prefix_len))
     _report(result, target)
     return 0 if result["failed"] == 0 else 1
 
@@ -403,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--vocab-size", type=int, default=32000,
                     help="prompt token ids are drawn below this (W2: 32000)")
+    sv.add_argument("--shared-prefixes", type=int, default=0, metavar="K",
+                    help="shared-prefix workload: each prompt is one of K random system "
+                         "prompts of --prefix-len tokens + --input-len tokens of its own "
+                         "(reports the prefix-cache hit tokens, per replica)")
+    sv.add_argument("--prefix-len", type=int, default=1000,
+                    help="tokens of each shared prefix (default 1000)")
     sv.add_argument("--plot", metavar="FILE.png", default=None,
                     help="also draw the figures into this PNG (needs matplotlib)")
     sv.set_defaults(func=cmd_bench_serve)
