@@ -141,10 +141,13 @@ def stand_in_engine() -> SimpleNamespace:
                       device_counters={"(one per device counter)": 0.0},
                       spec_method="(the speculative method; only when speculating)",
                       lora_counts={"(the adapter's name; only with LoRA)": [0, 0, 0]})
-    return SimpleNamespace(stats=stats, num_waiting=0, info=SimpleNamespace(weight_bytes=0),
-                           is_alive=True, last_heard=time.monotonic(),
-                           unresponsive_reason=None, liveness=SimpleNamespace(step_age_s=0.0),
-                           core=SimpleNamespace(ipc_seconds=0.0), detokenize_seconds=0.0)
+    engine = SimpleNamespace(stats=stats, num_waiting=0, info=SimpleNamespace(weight_bytes=0),
+                             is_alive=True, last_heard=time.monotonic(),
+                             unresponsive_reason=None,
+                             liveness=SimpleNamespace(step_age_s=0.0),
+                             core=SimpleNamespace(ipc_seconds=0.0), detokenize_seconds=0.0)
+    engine.members = [("", engine)]   # a single engine: no `replica` label
+    return engine
 
 
 def exposed_metrics(text: str) -> list[dict[str, Any]]:

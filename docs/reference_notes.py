@@ -182,5 +182,8 @@ every 0.25 s while idle); request latencies are observed as they happen. A count
 its name with `_total`; a histogram has `_bucket` (with `le`), `_count` and `_sum` samples.
 The table is generated from the metrics the server registers (`tessellm.server.metrics`).
 `tessellm:device_counter` carries the device plugin's own counters (xla:
-`xla_compilations`, ...), one `name` each.
+`xla_compilations`, ...), one `name` each. Behind `--data-parallel-size N` every series read
+from an engine core (all but the request histograms, `request_finished` and the speculation
+and LoRA counters, which are the replicas' sums) carries a `replica` label (`replica-0`, ...),
+one sample per replica (docs/ray.md).
 """

@@ -67,6 +67,9 @@ def test_greedy_outputs_equal_one_engine_and_both_replicas_serve(dp_server, offl
     assert results == {p: o.outputs[0].text for p, o in zip(PROMPTS, expected)}
     prompt_tokens = _per_replica(metrics(dp_server), "tessellm:prompt_tokens_total")
     assert all(v > 0 for v in prompt_tokens.values()), prompt_tokens
+    status, _, snap = request(dp_server, "GET", "/api/dashboard")   # one row per replica
+    assert status == 200 and [r["name"] for r in snap["replicas"]] == ["replica-0", "replica-1"]
+    assert snap["tokens"]["prompt"] == sum(prompt_tokens.values())
 
 
 def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica(dp_server):
@@ -84,7 +87,7 @@ def test_bench_serve_shared_prefix_reports_hits_per_replica(dp_server):
     import asyncio
 
     from tessellm.cli.bench_serve import run_bench_serve
-    result = asyncio.run(run_bench_serve(dp_server.url, num_prompts=6, request_rate=0,
+    result = asyncio.run(run_bench_serve(dp_server.url, num_prompts=6, request_rate=10,
                                          input_len=8, output_len=4, vocab_size=512,
                                          shared_prefixes=2, prefix_len=64))
     assert result["failed"] == 0, result["errors"]

@@ -4,7 +4,8 @@ What it reads: the engine core's Ready message (device, plugin, dtype, the kerne
 profiled (op, dtype, token bucket, dims) key), the core's latest CoreStats (running/waiting
 per priority class, KV blocks, prefix cache, counters), the front end's liveness, the
 server's metrics (finished sequences per reason, TTFT/TPOT over the last minutes) and the
-EngineHistory's one-per-second samples. Reading it never touches the engine's queue. Behind
+EngineHistory's one-per-second samples; behind a replica set (tessellm.ray) also one row per
+replica (state, pid, load, KV usage, prefix-cache hits), the totals being the replicas' sums. Reading it never touches the engine's queue. Behind
 the API key like /v1/* (it names the model, device and load), same origin only (no CORS
 headers: a page elsewhere cannot read it).
 """
@@ -58,6 +59,19 @@ def speculative_section(s: Any) -> dict[str, Any] | None:
             "mean_accepted_length": st.mean_accepted_length if st.verify_steps else None}
 
 
+def replica_rows(engine: Any) -> list[dict[str, Any]]:
+    """One row per replica behind a replica set (tessellm.ray); none for a single engine."""
+    members = engine.members
+    if len(members) == 1 and not members[0][0]:
+        return []
+    return [{"name": name, "alive": e.is_alive,
+             "responsive": e.is_alive and e.unresponsive_reason is None,
+             "core_pid": e.info.pid, "fatal_error": e.fatal_error,
+             "running": e.stats.num_running, "waiting": e.num_waiting,
+             "kv_usage": e.stats.kv_usage, "prefix_cache_hits": e.stats.prefix_cache_hits,
+             "prefix_cache_queries": e.stats.prefix_cache_queries} for name, e in members]
+
+
 def snapshot(state: ServerState) -> dict[str, Any]:
     engine, info, m = state.engine, state.engine.info, state.metrics
     s = engine.stats
@@ -96,6 +110,7 @@ def snapshot(state: ServerState) -> dict[str, Any]:
                     "ttft": m.recent_ttft.summary().to_json(),
                     "tpot": m.recent_tpot.summary().to_json()},
         "history": {"interval_s": history.interval_s, "points": history.points()},
+        "replicas": replica_rows(engine),
     }
 
 

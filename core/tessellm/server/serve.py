@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
 
 async def serve(core_config: EngineConfig, source: ModelSource, model_option: str | None,
                 config: ServerConfig, chat_template: str | None = None,
-                core_entry: CoreEntry | None = None) -> int:
+                core_entry: CoreEntry | None = None,
+                on_listening: Callable[[int, ServerState], None] | None = None,
+                stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, or until `stop` is set when one is given (then no signal
+    handler is installed: an embedding's thread, e.g. a Ray Serve replica, owns them).
+    `on_listening(port, state)` is called once the server listens."""
     loop = asyncio.get_running_loop()
     # optional extras are checked before anything starts: a missing one is a start-up error
     grpc_runner_class = load_grpc_service() if config.grpc_port is not None else None
@@ -199,15 +205,18 @@ async def serve(core_config: EngineConfig, source: ModelSource, model_option: st
     print(f"tessellm: serving {state.model_name!r} on {_url(config.host, port)} "
           f"({engines_line(async_engine)})", flush=True)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    if on_listening is not None:
+        on_listening(port, state)
+    signals = () if stop is not None else (signal.SIGTERM, signal.SIGINT)
+    stop = stop or asyncio.Event()
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     signalled, died = asyncio.ensure_future(stop.wait()), \
         asyncio.ensure_future(async_engine.wait_dead())
     try:
         await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in signals:
             loop.remove_signal_handler(sig)
         signalled.cancel()
     core_died = died.done()

@@ -75,6 +75,18 @@ export class Dashboard {
                     el("td", { text: fmtSeconds(s.p90) }), el("td", { text: fmtSeconds(s.p99) }),
                     el("td", { text: s.count })));
     }
+    byId("card-replicas").hidden = d.replicas.length === 0;
+    const replicas = byId("replica-rows");
+    clear(replicas);
+    for (const rep of d.replicas) {
+      replicas.append(el("tr", { dataset: { replica: rep.name } },
+                         el("td", { text: rep.name }),
+                         el("td", { text: rep.alive ? (rep.responsive ? "in rotation" : "unresponsive")
+                           : "down", className: rep.alive && rep.responsive ? "ok" : "bad" }),
+                         el("td", { text: rep.core_pid }), el("td", { text: rep.running }),
+                         el("td", { text: rep.waiting }), el("td", { text: fmtPercent(rep.kv_usage) }),
+                         el("td", { text: `${fmtNumber(rep.prefix_cache_hits)} / ${fmtNumber(rep.prefix_cache_queries)}` })));
+    }
     fillList(byId("card-finished"), Object.entries(r.finished).map(
       ([reason, n]) => [reason, fmtNumber(n)]));
     const kernels = byId("kernel-rows");
