@@ -204,6 +204,42 @@ def test_decode_attention_batches(kernel: Kernel, batch: str, block_size: int,
     torch.testing.assert_close(kernel.fn(q, cache, meta, scale), expected, **TOL[dtype])
 
 
+# Speculative verify rows: a sequence's rows at lengths L, L + 1, .. over one block table
+# (the native decode reads such a group's blocks once for all its rows, at most 8 rows a
+# group): a group of 5, a lone row, a group crossing a block edge, 10 rows (8 + 2), and a
+# row continuing a length but with another table (not a group).
+VERIFY_GROUPS = [[30, 31, 32, 33, 34], [7], [15, 16, 17], list(range(40, 50)), [50], [8, 9]]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("kernel", _attention_kernels("attention_decode"))
+def test_decode_attention_verify_rows_sharing_a_table(kernel: Kernel, block_size: int,
+                                                      dtype: torch.dtype) -> None:
+    slens = [n for group in VERIFY_GROUPS for n in group]
+    q, cache, meta, scale = _attention_case([1] * len(slens), slens, len(slens), block_size, dtype)
+    row = 0
+    for g, group in enumerate(VERIFY_GROUPS):
+        last = row + len(group) - 1
+        shared = g != len(VERIFY_GROUPS) - 1    # the last group keeps its own tables
+        for i in range(row, last + 1 if shared else row):
+            meta.block_tables[i].copy_(meta.block_tables[last])
+        row = last + 1
+    expected = REFERENCE_OPS["attention_decode"](q, cache, meta, scale)
+    torch.testing.assert_close(kernel.fn(q, cache, meta, scale), expected, **TOL[dtype])
+    # each row's output is what it gets alone (the grouping changes no result)
+    alone = kernel.fn(q[2:3], cache, _row_meta(meta, 2), scale)
+    torch.testing.assert_close(kernel.fn(q, cache, meta, scale)[2:3], alone, **TOL[dtype])
+
+
+def _row_meta(meta, i: int):
+    from tessellm.kernels.examples import metadata_from_tables
+    bs = meta.block_size
+    n = math.ceil(meta.seq_lens_host[i] / bs)
+    return metadata_from_tables([1], [meta.seq_lens_host[i]], [meta.block_tables[i, :n].tolist()],
+                                1, bs, "cpu")
+
+
 @pytest.mark.parametrize("kernel", [pytest.param(k, id=k.name) for k in KERNELS
                                     if k.op in ("attention_decode", "attention_prefill")])
 def test_attention_reads_only_the_sequences_slots(kernel: Kernel) -> None:
