@@ -31,7 +31,7 @@ class Candidate:
 @dataclass
 class Router:
     policy: str = "least-loaded"
-    balance_abs: int = 4
+    balance_abs: int = 16
     balance_rel: float = 1.5
     _next: int = field(default=0, init=False)   # round-robin start among ties
 
