@@ -69,6 +69,13 @@ class EngineConfig(BaseModel):
     # launcher: torchrun). A collective that waits longer than distributed_timeout_s fails.
     # num_threads is per rank (default: the cores divided among the local ranks).
     tensor_parallel_size: int = Field(1, ge=1)
+    # Pipeline parallelism (tessellm.models.pipeline, tessellm.parallel.pipe): the decoder
+    # layers split into this many contiguous stages, each of tensor_parallel_size ranks
+    # (ranks = TP x PP). A step's forward pass flows through the stages one after another.
+    pipeline_parallel_size: int = Field(1, ge=1)
+    # Who starts the ranks: "mp" (rank 0 starts local processes, or a launcher such as
+    # torchrun did). "ray" (Ray actors in a placement group) is not built yet.
+    distributed_executor_backend: Literal["mp", "ray"] = "mp"
     distributed_timeout_s: float = Field(120.0, gt=0)
     load_progress: bool = True
     # Scheduling (tessellm.scheduler): priorities 0 (most urgent) .. priority_levels - 1, aging
@@ -118,6 +125,17 @@ class EngineConfig(BaseModel):
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > "
                              "1 yet (untested combination)")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not built yet: use 'mp' "
+                             "(rank 0 starts the ranks on this machine) or torchrun across "
+                             "machines")
+        if self.pipeline_parallel_size > 1:
+            for name, on in (("async_scheduling", self.async_scheduling),
+                             ("speculative_config", self.speculative_config is not None),
+                             ("enable_lora", self.enable_lora)):
+                if on:
+                    raise ValueError(f"{name} is not supported with pipeline_parallel_size > "
+                                     "1 yet")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras})")
@@ -125,6 +143,11 @@ class EngineConfig(BaseModel):
             raise ValueError(f"sla_min_num_seqs ({self.sla_min_num_seqs}) exceeds max_num_seqs "
                              f"({self.max_num_seqs})")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """The compute dtype: explicit, or the checkpoint's when auto (float32 if unknown)."""

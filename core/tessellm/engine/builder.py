@@ -6,7 +6,7 @@ import logging
 import math
 import os
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from tessellm.graph.passes.q8_activations import q8_activations
 from tessellm.graph import ops
 from tessellm.models.hf_files import eos_token_ids
 from tessellm.models.architectures import resolve_architecture
+from tessellm.models.pipeline import check_stageable, stage_graph
 from tessellm.models.sharding import check_shardable, shard_model
 from tessellm.models.loader import checkpoint_dtype, load_model, open_source, read_source_config
 from tessellm.models.source_tokenizer import load_source_tokenizer
@@ -36,7 +37,7 @@ from tessellm.models.spec import ModelSpec
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight
 from tessellm.paths import cache_root
 from tessellm.parallel.group import ParallelGroup, require_torch_backend
-from tessellm.parallel.launch import start_group
+from tessellm.parallel.launch import parallel_layout, start_group
 from tessellm.engine.step_rows import max_graph_rows
 from tessellm.speculative.proposer import known_proposer
 from tessellm.plugins import PluginManager
@@ -63,8 +64,9 @@ class EngineParts:
     source: ModelSource
     weights: dict[str, torch.Tensor | PackedWeight]  # on the device, by graph name
     host_kv_caches: list[torch.Tensor] = field(default_factory=list)  # swap mode's host pool
-    # tensor parallelism: this rank's place in the group (None: one rank); `spec` stays the
-    # whole model's, the plan, weights and KV caches are this rank's shard
+    # tensor / pipeline parallelism: this rank's place in the group (None: one rank); `spec`
+    # stays the whole model's, the plan, weights and KV caches are this rank's shard (of its
+    # stage's layers)
     parallel: ParallelGroup | None = None
     # speculation: the proposers plugins register (method name -> factory), built-ins aside
     proposers: dict[str, Any] = field(default_factory=dict)
@@ -176,7 +178,7 @@ def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtyp
                  * torch.empty((), dtype=dtype).element_size() * spec.num_layers)
     if config.swap_space_bytes is not None:
         return max(1, config.swap_space_bytes // per_block)
-    share = int(host_memory_info().free_bytes * HOST_POOL_SHARE) // config.tensor_parallel_size
+    share = int(host_memory_info().free_bytes * HOST_POOL_SHARE) // config.world_size
     if share // per_block < num_kv_blocks:
         log.info("swap: host pool capped at %d blocks (%.1f GiB, %.0f%% of the host's "
                  "available memory), the device pool has %d", max(1, share // per_block),
@@ -201,12 +203,18 @@ def build_engine_parts(config: EngineConfig, plugins: PluginManager | None = Non
     source = model_source_of(config)
     opened = open_source(source)   # a GGUF header, parsed once for config, weights, tokenizer
     hf_config = read_source_config(source, opened)
-    world = config.tensor_parallel_size
-    if world > 1:
-        check_shardable(resolve_architecture(hf_config, plugins.architectures()).spec(hf_config),
-                        world)
+    world = config.world_size
+    if world > 1:   # refused before any worker starts
+        full_spec = resolve_architecture(hf_config, plugins.architectures()).spec(hf_config)
+        check_shardable(full_spec, config.tensor_parallel_size)
+        check_stageable(full_spec.num_layers, config.pipeline_parallel_size)
+        own_comm = type(device).communicator is not DevicePlugin.communicator
+        if own_comm and config.pipeline_parallel_size > 1:
+            raise ConfigError(f"pipeline_parallel_size > 1 is not supported on device "
+                              f"{device.name!r}, whose plugin brings its own communicator "
+                              "(stages send over torch.distributed)")
     if parallel is None and world > 1:
-        if type(device).communicator is DevicePlugin.communicator:   # before any worker starts
+        if type(device).communicator is DevicePlugin.communicator:
             require_torch_backend(device)
         parallel = start_group(config)
         try:
@@ -223,9 +231,9 @@ def _threads(config: EngineConfig) -> int | None:
     """Threads per rank: num_threads, else the cores shared among this machine's ranks."""
     if config.num_threads:
         return config.num_threads
-    if config.tensor_parallel_size == 1:
+    if config.world_size == 1:
         return None
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.tensor_parallel_size))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.world_size))
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
@@ -237,7 +245,8 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     if threads:
         torch.set_num_threads(threads)
     registry = plugins.kernel_registry()
-    comm = parallel.connect_device(device) if parallel is not None else None
+    comm = parallel.connect_device(device, parallel_layout(config)) \
+        if parallel is not None else None
     dtype = config.torch_dtype(checkpoint_dtype(hf_config))
     leader = parallel is None or parallel.is_leader
     loaded = load_model(source, dtype, progress=config.load_progress and leader,
@@ -246,9 +255,12 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
                         opened=opened)
     spec = local_spec = loaded.spec
     graph = loaded.graph
-    if parallel is not None:
-        graph, local_spec = shard_model(graph, spec, loaded.build_graph, parallel.rank,
-                                        parallel.world_size)
+    if parallel is not None and config.tensor_parallel_size > 1:
+        graph, local_spec = shard_model(graph, spec, loaded.build_graph, parallel.tp_rank,
+                                        config.tensor_parallel_size)
+    if parallel is not None and config.pipeline_parallel_size > 1:   # this stage's layers
+        graph = stage_graph(graph, config.pipeline_parallel_size, parallel.stage)
+        local_spec = replace(local_spec, num_layers=graph.num_layers)
     max_model_len = config.max_model_len or spec.max_position_embeddings
     if max_model_len > spec.max_position_embeddings:
         raise ConfigError(f"max_model_len {max_model_len} exceeds the model's "
@@ -290,7 +302,7 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         measured = device.kv_cache_budget(
             profile_forward(plan, local_spec, config, device, dtype, max_model_len),
             config.gpu_memory_utilization)
-    # the KV budget is per rank; a rank's blocks hold its KV heads only
+    # the KV budget is per rank; a rank's blocks hold its KV heads of its stage's layers only
     num_blocks = kv_block_count(config, local_spec, dtype, max_model_len, measured)
     num_host = host_kv_block_count(config, local_spec, dtype, num_blocks)
     if parallel is not None:   # the one block table every rank indexes
@@ -300,10 +312,10 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     # one more physical block than usable ones: block 0 is the KV manager's null block
     kv_shape = (local_spec.num_kv_heads, config.block_size, local_spec.head_dim)
     kv_caches = [alloc.allocate((2, num_blocks + 1, *kv_shape), dtype, tag="kv_cache")
-                 for _ in range(spec.num_layers)]
+                 for _ in range(local_spec.num_layers)]
     host = device.host_allocator()   # same per-layer layout; no null block on the host
     host_kv_caches = [host.allocate((2, num_host, *kv_shape), dtype)
-                      for _ in range(spec.num_layers)] if num_host else []
+                      for _ in range(local_spec.num_layers)] if num_host else []
     tokenizer = (load_source_tokenizer(source, opened, cache_root(config.cache_dir),
                                        core_only=core_tokenizer)
                  if leader else None)  # workers never decode

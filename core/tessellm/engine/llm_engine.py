@@ -54,6 +54,9 @@ class StepError(TessellmError, RuntimeError):
         self.failed = failed
 
 
+LOST_RANK_GRACE_S = 2.0   # how long a failed step waits to see which worker died
+
+
 @dataclass(slots=True)
 class StepStats:
     num_steps: int = 0
@@ -337,7 +340,7 @@ class LLMEngine:
         """Fail a step's requests (freeing their blocks); returns the error to raise: a
         StepError naming them, or with tensor parallelism ParallelGroupError (fatal)."""
         if self.parts.parallel is not None:   # the ranks may be out of step: fatal
-            reason = (f"tensor-parallel engine stopped: a step failed on rank 0 "
+            reason = (f"{self._lost_rank()}a step failed on rank 0 "
                       f"({type(exc).__name__}: {exc})")
             failed = self._die(reason)
             return ParallelGroupError(f"{reason}; {len(failed)} unfinished request(s) failed")
@@ -390,6 +393,16 @@ class LLMEngine:
         self._last_completed = t2
         return self._release(finished)
 
+    def _lost_rank(self) -> str:
+        """The start of a parallel engine's death notice: which rank is gone, when a local
+        worker exited (or exits within a moment: a peer's death is often what failed the
+        step)."""
+        try:
+            self.parts.parallel.check_alive(grace_s=LOST_RANK_GRACE_S)
+        except ParallelGroupError as e:
+            return f"parallel engine stopped: {e}; "
+        return "parallel engine stopped: "
+
     def _block_ops_only(self, out: SchedulerOutput) -> None:
         """A step that scheduled no tokens may still have block work (its preemptions'
         swap-outs): run it."""
@@ -400,7 +413,7 @@ class LLMEngine:
         except Exception as exc:
             if self.parts.parallel is None:
                 raise
-            reason = f"tensor-parallel engine stopped: {type(exc).__name__}: {exc}"
+            reason = f"{self._lost_rank()}{type(exc).__name__}: {exc}"
             self._die(reason)
             raise ParallelGroupError(reason) from exc
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from tessellm.models.pipeline import HIDDEN_FEED
 from tessellm.config import EngineConfig
 from tessellm.device import DevicePlugin
 from tessellm.graph.plan import KV_CACHE_FEED, ExecutionPlan
@@ -56,6 +57,8 @@ def profile_forward(plan: ExecutionPlan, spec: ModelSpec, config: EngineConfig,
         scratch = (2, 1, spec.num_kv_heads, bs, spec.head_dim)
         feeds.update({KV_CACHE_FEED.format(layer=i): torch.zeros(scratch, dtype=dtype, device=dev)
                       for i in range(spec.num_layers)})
+        if HIDDEN_FEED in plan.inputs:   # a later pipeline stage: the hidden state comes in
+            feeds[HIDDEN_FEED] = torch.zeros((T, spec.hidden_size), dtype=dtype, device=dev)
         if LORA_SLOTS_FEED in plan.inputs:   # every row through slot 0: the LoRA terms' peak
             feeds[LORA_SLOTS_FEED] = torch.zeros(T, dtype=torch.int64, device=dev)
         plan.run(feeds)

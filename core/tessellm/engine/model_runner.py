@@ -29,7 +29,9 @@ slot (-1: base model; padding rows too) is staged and fed like the positions.
 
 Tensor parallelism: the leader sends each step's BlockOps and its forward rows with the block
 table (parallel.messages.Batch) to the other ranks, which replay them (`run_block_ops`,
-`run_rows`); a single device never builds those messages.
+`run_rows`); a single device never builds those messages. Pipeline parallelism: `run_rows`
+runs the plan through the rank's StageLink (parallel.pipe): the hidden state comes from the
+previous stage and goes on to the next, and the leader gets the last stage's logits.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.lora.sites import LORA_SLOTS_FEED
 from tessellm.parallel.group import ControlChannel
 from tessellm.parallel.messages import Batch, BlockOps
+from tessellm.parallel.pipe import StageLink
 from tessellm.request import Request
 from tessellm.sampling_params import SamplingParams
 from tessellm.scheduler import SchedulerOutput
@@ -118,8 +121,10 @@ class ModelRunner:
                  graph_sizes: Sequence[int] = (), static_shapes: StaticShapes | None = None,
                  followers: ControlChannel | None = None, overlap: bool = False,
                  token_masks: StepMasks | None = None,
-                 sampler_kernels: SamplerKernels = SamplerKernels()) -> None:
+                 sampler_kernels: SamplerKernels = SamplerKernels(),
+                 pipe: StageLink | None = None) -> None:
         self.device = device
+        self.pipe = pipe   # pipeline parallelism: this rank's links to its neighbour stages
         self.followers = followers   # tensor parallelism: the leader's channel to the others
         self.kv_caches = kv_caches
         self.block_size = limits.block_size
@@ -282,7 +287,11 @@ class ModelRunner:
         if swapped_in is not None:
             self.blocks.swapper.wait_for_compute(swapped_in)
         pad = None if b.pad is None else self.shapes.step_padding(*b.pad)
-        logits = self.shapes.plan_for(pad).run(feeds)   # asynchronous device: enqueued only
+        plan = self.shapes.plan_for(pad)
+        if self.pipe is not None:
+            return self.pipe.run(plan.run, feeds, len(b.token_ids),
+                                 len(b.logits_indices)), uploaded
+        logits = plan.run(feeds)   # asynchronous device: enqueued only
         return logits, uploaded
 
     def _sample(self, logits: torch.Tensor, sampled: list[Request],

@@ -18,6 +18,7 @@ from tessellm.engine.sampler import (BITMASK_OP, GREEDY_OP, SAMPLE_OP, SelectBit
                                      sample_kernel_query)
 from tessellm.errors import ConfigError
 from tessellm.kernels.profiler import KernelSelector, token_bucket
+from tessellm.parallel.pipe import StageLink
 
 
 def sample_kernel_select(selector: KernelSelector) -> SelectSampleKernel | None:
@@ -91,10 +92,12 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
     limits = RunnerLimits(c.block_size, c.max_num_batched_tokens, max_step_rows(c),
                           math.ceil(parts.max_model_len / c.block_size))
     graph_rows = max_graph_rows(c)
+    pipe = stage_link(parts)
     return ModelRunner(
         parts.device, parts.plan, parts.kv_caches, limits,
         host_kv_caches=parts.host_kv_caches,
-        graph_sizes=() if c.enforce_eager else parts.device.decode_graph_sizes(graph_rows),
+        graph_sizes=() if c.enforce_eager or pipe is not None
+        else parts.device.decode_graph_sizes(graph_rows),
         static_shapes=parts.device.static_shapes(c.max_num_batched_tokens, c.max_num_seqs),
         followers=parts.parallel.channel if leads else None,
         overlap=async_scheduling_enabled(parts),
@@ -102,4 +105,17 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
         if parts.tokenizer is not None else None,
         sampler_kernels=SamplerKernels(sample_kernel_select(parts.selector),
                                        greedy_kernel_select(parts.selector),
-                                       bitmask_kernel_select(parts.selector)))
+                                       bitmask_kernel_select(parts.selector)),
+        pipe=pipe)
+
+
+def stage_link(parts: EngineParts) -> StageLink | None:
+    """Pipeline parallelism: this rank's links to its neighbour stages (None: one stage).
+    A pipelined step runs eagerly: the stages' sends sit between plans, which decode graphs
+    (captured whole) cannot hold."""
+    group = parts.parallel
+    if group is None or group.pipe_group is None:
+        return None
+    return StageLink(group.pipe_group, group.layout, group.rank, parts.spec.hidden_size,
+                     parts.spec.vocab_size, parts.dtype,
+                     torch.device(parts.device.torch_device_type))

@@ -6,8 +6,11 @@ Three process groups, made in the same order on every rank:
 - the control group (gloo, a week): the leader's `ControlChannel` to the workers. An idle
   worker waits on it for the next step, so it must not time out; a leader that dies closes
   its connections, which the waiting workers see at once;
-- the compute group (the device plugin's `distributed_backend`, `distributed_timeout_s`),
-  unless the plugin supplies its own Communicator: the graph's all_reduce / all_gather.
+- the compute groups (the device plugin's `distributed_backend`, `distributed_timeout_s`),
+  one per pipeline stage over that stage's ranks (parallel.layout), unless the plugin supplies
+  its own Communicator: the graph's all_reduce / all_gather;
+- with pipeline stages, the pipe group (the same backend and timeout, every rank): the
+  stages' point-to-point sends of hidden states and logits (parallel.pipe).
 A collective whose peer is gone raises at once (the connection closes) and one whose peer
 is late raises after the timeout: nothing waits forever.
 """
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from tessellm.device import Communicator, DevicePlugin
 from tessellm.errors import ConfigError, TessellmError
+from tessellm.parallel.layout import RankLayout
 from tessellm.parallel.messages import ControlMessage, Stop
 
 CONTROL_TIMEOUT = timedelta(days=7)
@@ -102,7 +106,8 @@ class ControlChannel:
 @dataclass
 class ParallelGroup:
     """This process's place in the group; `channel` sends on rank 0 and receives elsewhere.
-    `workers` are the local worker processes rank 0 started (None under a launcher)."""
+    `workers` are the local worker processes rank 0 started (None under a launcher).
+    `layout`: tensor x pipeline ranks (set by connect_device from the engine config)."""
 
     rank: int
     world_size: int
@@ -111,6 +116,8 @@ class ParallelGroup:
     workers: object | None = None     # tessellm.parallel.launch.LocalWorkers
     comm: TimedCommunicator | None = None
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+    layout: RankLayout = RankLayout()
+    pipe_group: dist.ProcessGroup | None = None
     _ready: bool = False
     _closed: bool = False
 
@@ -118,14 +125,35 @@ class ParallelGroup:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def connect_device(self, device: DevicePlugin) -> Communicator:
-        """The compute group on `device` (every rank calls this once, after WorkerInit)."""
-        comm = device.communicator(self.rank, self.world_size, self.timeout_s)
+    @property
+    def stage(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank_of(self.rank)
+
+    def connect_device(self, device: DevicePlugin,
+                       layout: RankLayout | None = None) -> Communicator:
+        """This rank's stage's compute group on `device`, and the pipe group when there are
+        several stages (every rank calls this once, after WorkerInit, in the same order)."""
+        self.layout = layout or RankLayout(tp=self.world_size)
+        if self.layout.world != self.world_size:
+            raise ConfigError(f"{self.layout.tp} tensor-parallel x {self.layout.pp} pipeline "
+                              f"ranks but the group has {self.world_size}")
+        timeout = timedelta(seconds=self.timeout_s)
+        comm = None if self.layout.pp > 1 else device.communicator(
+            self.rank, self.world_size, self.timeout_s)
         if comm is None:
             require_torch_backend(device)
-            group = dist.new_group(backend=device.distributed_backend,
-                                   timeout=timedelta(seconds=self.timeout_s))
-            comm = TorchCommunicator(group, self.rank, self.world_size)
+            for stage in range(self.layout.pp):   # every rank makes every stage's group
+                group = dist.new_group(self.layout.stage_ranks(stage),
+                                       backend=device.distributed_backend, timeout=timeout)
+                if stage == self.stage:
+                    comm = TorchCommunicator(group, self.tp_rank, self.layout.tp)
+        if self.layout.pp > 1:
+            self.pipe_group = dist.new_group(backend=device.distributed_backend,
+                                             timeout=timeout)
         self.comm = TimedCommunicator(comm, self.stats)
         return self.comm
 
@@ -141,10 +169,11 @@ class ParallelGroup:
             dist.barrier(group=self.channel.group)
             self._ready = True
 
-    def check_alive(self) -> None:
-        """Raise ParallelGroupError if a local worker process has exited."""
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise ParallelGroupError if a local worker process has exited (or exits within
+        `grace_s`: after a failed step, to name the rank whose death failed it)."""
         if self.workers is not None:
-            self.workers.check()
+            self.workers.check(grace_s)
 
     def shutdown(self) -> None:
         """Leader: tell the workers to stop and wait for them; every rank leaves the group."""

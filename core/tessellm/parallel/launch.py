@@ -23,6 +23,7 @@ from tessellm.config import EngineConfig
 from tessellm.errors import ConfigError
 from tessellm.parallel.group import ParallelGroup, ParallelGroupError, join
 from tessellm.parallel.launcher_env import launcher_environment
+from tessellm.parallel.layout import RankLayout
 from tessellm.parallel.messages import WorkerInit
 
 log = logging.getLogger(__name__)
@@ -33,11 +34,13 @@ JOINED_KEY = "tessellm/joined/{rank}"
 class LocalWorkers:
     """Worker ranks 1 .. world-1 as child processes of rank 0."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], layout: RankLayout | None = None) -> None:
         self.procs = procs
+        self.layout = layout or RankLayout(tp=len(procs) + 1)
 
     @classmethod
-    def spawn(cls, world_size: int, port: int, timeout_s: float) -> LocalWorkers:
+    def spawn(cls, layout: RankLayout, port: int, timeout_s: float) -> LocalWorkers:
+        world_size = layout.world
         procs = []
         for rank in range(1, world_size):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -46,15 +49,22 @@ class LocalWorkers:
                    "TESSELLM_DISTRIBUTED_TIMEOUT_S": str(timeout_s)}
             procs.append(subprocess.Popen([sys.executable, "-m", "tessellm.parallel.worker"],
                                           env=env))
-            log.info("tensor-parallel rank %d: pid %d", rank, procs[-1].pid)
-        return cls(procs)
+            log.info("%s: pid %d", layout.describe(rank), procs[-1].pid)
+        return cls(procs, layout)
 
-    def check(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            code = p.poll()
-            if code is not None:
-                raise ParallelGroupError(f"tensor-parallel rank {rank} (pid {p.pid}) exited "
-                                         f"with code {code}")
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise ParallelGroupError naming the first worker found exited (polling for up to
+        `grace_s` seconds)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None:
+                    raise ParallelGroupError(f"{self.layout.describe(rank)} (pid {p.pid}) "
+                                             f"exited with code {code}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def wait_joined(self, store: dist.Store, timeout_s: float) -> None:
         """Until every worker has reached the store; a worker that dies first is an error
@@ -64,7 +74,7 @@ class LocalWorkers:
             while not store.check([JOINED_KEY.format(rank=rank)]):
                 self.check()
                 if time.monotonic() > deadline:
-                    raise ParallelGroupError(f"tensor-parallel rank {rank} did not start "
+                    raise ParallelGroupError(f"{self.layout.describe(rank)} did not start "
                                              f"within {timeout_s:.0f} s")
                 time.sleep(0.05)
 
@@ -77,10 +87,15 @@ class LocalWorkers:
                 p.wait()
 
 
+def parallel_layout(config: EngineConfig) -> RankLayout:
+    return RankLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+
+
 def start_group(config: EngineConfig) -> ParallelGroup:
     """Rank 0's side: the group joined, the workers started (unless a launcher did) and told
     the config."""
-    world, timeout_s = config.tensor_parallel_size, config.distributed_timeout_s
+    layout = parallel_layout(config)
+    world, timeout_s = layout.world, config.distributed_timeout_s
     if dist.is_initialized():
         raise ConfigError("a tensor-parallel engine is already running in this process; "
                           "close it first (LLM.close())")
@@ -88,8 +103,9 @@ def start_group(config: EngineConfig) -> ParallelGroup:
     if launched is not None:
         rank, launched_world = launched
         if launched_world != world:
-            raise ConfigError(f"tensor_parallel_size={world} but the launcher started "
-                              f"{launched_world} ranks (WORLD_SIZE)")
+            raise ConfigError(f"tensor_parallel_size={layout.tp} x pipeline_parallel_size="
+                              f"{layout.pp} needs {world} ranks but the launcher started "
+                              f"{launched_world} (WORLD_SIZE)")
         if rank != 0:
             raise ConfigError(f"launcher rank {rank} is a worker: run "
                               "`python -m tessellm.parallel.worker` there (the tessellm CLI "
@@ -98,7 +114,7 @@ def start_group(config: EngineConfig) -> ParallelGroup:
     else:
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        workers = LocalWorkers.spawn(world, store.port, timeout_s)
+        workers = LocalWorkers.spawn(layout, store.port, timeout_s)
         try:
             workers.wait_joined(store, timeout_s)
             group = join(0, world, timeout_s, store=store)
