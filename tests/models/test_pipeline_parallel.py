@@ -1,0 +1,148 @@
+"""Pipeline parallelism end to end on this machine, float32, 1 thread per rank, against one
+process: PP=2 (stories260K, random-weight Llama and Qwen3 shapes) and TP=2 x PP=2 give the
+same greedy tokens, also with preemption (a pool too small for the batch) and copy-on-write
+siblings; a stage's KV pool holds its layers only, so a byte budget holds more blocks; a
+killed stage fails every open request with the stage named and the engine stays dead;
+configurations that cannot run are refused before any rank starts."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from pydantic import ValidationError
+
+from hf_fixtures import CASES, STORIES_260K, build_hf_model, save_model_dir
+from tessellm import LLM, SamplingParams
+from tessellm.errors import ConfigError
+from tessellm.parallel.group import ParallelGroupError
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+PROMPTS = ([1, 403, 407, 261, 378], [1, *range(20, 200, 10)], [1, 5, 6])
+OPTIONS = dict(device="cpu", dtype="float32", num_threads=1, max_num_seqs=4, block_size=16,
+               num_kv_blocks=32, load_progress=False)
+
+
+def _llm(path: Path, cache: Path, tp: int = 1, pp: int = 1, **extra) -> LLM:
+    return LLM(str(path), cache_dir=str(cache), tensor_parallel_size=tp,
+               pipeline_parallel_size=pp, **{**OPTIONS, **extra})
+
+
+def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list:
+    return [[s.token_ids for s in o.outputs] for o in llm.generate([list(p) for p in prompts],
+                                                                   params)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pp-cache")
+
+
+@pytest.fixture(scope="module")
+def want(cache) -> list:
+    with _llm(STORIES_260K, cache) as one:
+        return _tokens(one)
+
+
+def test_two_stages_equal_one_process(cache, want):
+    with _llm(STORIES_260K, cache, pp=2) as two:
+        assert two.engine.parts.parallel.layout.pp == 2
+        assert len(two.engine.parts.kv_caches) == 3   # layers 0-2 of 5 on stage 0
+        assert _tokens(two) == want
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_random_weight_models_two_stages_equal_one(case, tmp_path, cache):
+    c = CASES[case]
+    tok = c.tokenizer()
+    path = save_model_dir(build_hf_model(c, tok), tok, tmp_path / case)
+    prompts = [[1, 5, 9, 13], [1, *range(30, 60)]]
+    with _llm(path, cache) as one:
+        want = _tokens(one, prompts)
+    with _llm(path, cache, pp=2) as two:
+        assert _tokens(two, prompts) == want
+
+
+def test_preemption_and_copy_on_write_flow_through_the_stages(cache):
+    """A pool too small for the batch (preemptions) and n=2 siblings (copy-on-write blocks
+    replayed on every stage): the same tokens as one process."""
+    prompts = [[1, *range(20 + 7 * i, 60 + 7 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, n=2)
+    results = []
+    for pp in (1, 2):
+        with _llm(STORIES_260K, cache, pp=pp, num_kv_blocks=12) as llm:
+            results.append(_tokens(llm, prompts, params))
+            assert llm.engine.stats.num_preemptions > 0
+    assert results[0] == results[1]
+
+
+def test_tensor_by_pipeline_ranks_equal_one_process(cache, want):
+    """TP=2 x PP=2: four ranks, each stage's all-reduces on its own pair."""
+    with _llm(STORIES_260K, cache, tp=2, pp=2) as four:
+        parts = four.engine.parts
+        assert parts.parallel.world_size == 4
+        assert parts.kv_caches[0].shape[2] == parts.spec.num_kv_heads // 2
+        assert _tokens(four) == want
+        assert parts.parallel.stats.calls > 0
+
+
+def test_a_stage_holds_its_layers_kv_only_so_a_budget_holds_more_blocks(cache):
+    budget = dict(num_kv_blocks=None, kv_cache_bytes=1 << 20)
+    with _llm(STORIES_260K, cache, **budget) as one:
+        one_blocks = one.engine.kv.num_blocks
+    with _llm(STORIES_260K, cache, pp=2, **budget) as two:
+        # 5 layers: stage 0 holds 3, stage 1 holds 2; the shared block table takes the minimum
+        assert two.engine.kv.num_blocks == one_blocks * 5 // 3
+        assert len(two.engine.parts.kv_caches) == 3
+
+
+def test_killing_a_stage_fails_every_open_request_and_the_engine_stays_dead(cache):
+    llm = _llm(STORIES_260K, cache, pp=2, num_kv_blocks=64)
+    try:
+        stage1 = llm.engine.parts.parallel.workers.procs[0]
+        killer = threading.Timer(1.0, os.kill, (stage1.pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        with pytest.raises(ParallelGroupError, match=r"pipeline stage 1 \(rank 1\)"):
+            for _ in range(1000):   # until the kill lands mid-generation
+                llm.generate([[1, 403, 407]] * 3, long)
+        assert time.monotonic() - t0 < 30
+        assert not llm.engine.has_unfinished()
+        with pytest.raises(ParallelGroupError, match="pipeline stage 1"):
+            llm.generate([[1, 403]], GREEDY)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("options,error,match", [
+    (dict(pipeline_parallel_size=0), ValidationError, "pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=6), ConfigError, "pipeline_parallel_size=6 exceeds the "
+     "model's 5 decoder layers"),
+    (dict(pipeline_parallel_size=2, enable_lora=True), ValidationError,
+     "enable_lora is not supported with pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=2, async_scheduling=True), ValidationError,
+     "async_scheduling is not supported with pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram",
+                                                        "num_speculative_tokens": 2}),
+     ValidationError, "speculative_config is not supported with pipeline_parallel_size"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), ValidationError,
+     "'ray' is not built yet"),
+    (dict(pipeline_parallel_size=2, tensor_parallel_size=3), ConfigError,
+     "tensor_parallel_size=3 cannot split"),
+])
+def test_configurations_that_cannot_run_are_refused_before_any_rank_starts(
+        options, error, match, cache, monkeypatch):
+    from tessellm.parallel import launch
+
+    def no_workers(*a, **k):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(launch.LocalWorkers, "spawn", no_workers)
+    with pytest.raises(error, match=match):
+        LLM(str(STORIES_260K), cache_dir=str(cache), **{**OPTIONS, **options})
+    assert not dist.is_initialized()
