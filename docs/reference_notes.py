@@ -61,6 +61,10 @@ ENGINE_NOTES = MappingProxyType({
     "num_threads": "torch's CPU threads (per rank with tensor parallelism); default all cores",
     "tensor_parallel_size": "ranks the model is split over, one process and device each "
                             "(see Tensor parallelism)",
+    "pipeline_parallel_size": "stages the decoder layers are split into, each of "
+                              "tensor_parallel_size ranks (see Tensor parallelism)",
+    "distributed_executor_backend": "who starts the ranks: mp (local processes, or a "
+                                    "launcher such as torchrun); ray is not built yet",
     "distributed_timeout_s": "a collective that waits longer fails (never hangs)",
     "load_progress": "show a progress bar while loading weights",
     "priority_levels": "priority classes of requests: 0 (most urgent) to priority_levels - 1",
