@@ -102,7 +102,8 @@ def bench_throughput(a: argparse.Namespace, options: dict[str, Any]) -> dict[str
     collectives = None
     if group is not None:   # rank 0's host time in all_reduce / all_gather, per timed run
         calls, seconds = group.stats.calls - coll0[0], group.stats.seconds - coll0[1]
-        collectives = {"tensor_parallel_size": group.world_size,
+        collectives = {"tensor_parallel_size": group.layout.tp,
+                       "pipeline_parallel_size": group.layout.pp,
                        "calls_per_step": round(calls / len(runs) / max(steps, 1), 1),
                        "seconds_per_run": round(seconds / len(runs), 3),
                        "ms_per_step": round(1e3 * seconds / len(runs) / max(steps, 1), 3)}

@@ -56,6 +56,9 @@ def check_engine_config(config: EngineConfig) -> None:
     if config.tensor_parallel_size > 1:
         raise ConfigError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not "
                           "supported: each replica is one engine core on one device")
+    if config.pipeline_parallel_size > 1:
+        raise ConfigError("--data-parallel-size > 1 with --pipeline-parallel-size > 1 is not "
+                          "supported: each replica is one engine core on one device")
 
 
 def _sum_stats(stats: list[CoreStats]) -> CoreStats:
