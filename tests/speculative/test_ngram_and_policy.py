@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from tessellm.config import EngineConfig
 from tessellm.errors import ConfigError
 from tessellm.speculative.ngram import NgramIndex
-from tessellm.speculative.policy import Acceptance, Candidate, SpeculationPolicy
+from tessellm.speculative.policy import (MAX_BACKOFF, Acceptance, Candidate, SpeculationPolicy,
+                                         StepCosts)
 from tessellm.speculative.proposer import known_proposer
 from tessellm.speculative.verification import num_accepted
 
@@ -109,13 +110,23 @@ def test_policy_under_load_takes_fewer_drafts():
     assert len(policy.choose(good, 16, 16)) < len(good)
 
 
-def test_a_refused_request_is_probed_every_interval():
+def test_a_refused_request_is_probed_ever_less_often():
+    """Probes after 3, then 6, 12, .. refused steps (up to MAX_BACKOFF x 3); a proposal
+    that pays resets the interval."""
     policy = SpeculationPolicy(adaptive=True, probe_interval=3)
     policy.costs.observe(1, False, 0.010)
     policy.costs.observe(3, True, 0.030)
     c = _candidate(2, 0, 50)
-    taken = [bool(policy.choose([c], 1, 1)) for _ in range(8)]
-    assert taken == [False, False, False, True, False, False, False, True]
+    taken = [bool(policy.choose([c], 1, 1)) for _ in range(3 + 1 + 6 + 1 + 12 + 1)]
+    assert [i for i, t in enumerate(taken) if t] == [3, 10, 23]
+    assert c.acceptance.backoff == 8
+    probes = sum(bool(policy.choose([c], 1, 1)) for _ in range(10 * 3 * MAX_BACKOFF))
+    assert probes == 1 + 10 - 1 and c.acceptance.backoff == MAX_BACKOFF   # 24, 48, 48, ..
+    c.acceptance.accepted, c.acceptance.rejected = 50.0, 0.0    # the text became predictable
+    policy.costs = StepCosts()                                  # ... and verifying cheap
+    policy.costs.observe(1, False, 0.010)
+    policy.costs.observe(3, True, 0.012)
+    assert policy.choose([c], 1, 1) == [c] and c.acceptance.backoff == 1
 
 
 def test_non_adaptive_takes_everything():

@@ -17,8 +17,11 @@ step's cost is unknown proposals whose cost is known are not (explore both, then
 (compute-bound steps, where c grows with T) the same rule takes fewer drafts or none.
 
 A request whose proposals were refused `probe_interval` steps in a row is taken once anyway
-(cut to the length whose measured cost pays best), so its estimate follows a text that becomes predictable again (the cost of a probe is bounded
-by one verify step in probe_interval).
+(cut to the length whose measured cost pays best), so its estimate follows a text that becomes
+predictable again. Each probe doubles the request's interval (up to MAX_BACKOFF times
+probe_interval) and a proposal taken on its merit resets it, so on a text where drafts never
+pay the probes cost one verify step in ever more steps (a draft model's probe also catches up
+every token since its last draft).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 DECAY = 0.8          # weight of the past in the acceptance counts, per verify step
 COST_DECAY = 0.8     # weight of the past in a step-cost estimate
 PRIOR_STRENGTH = 2.0
+MAX_BACKOFF = 16     # a refused request is probed at least every 16 x probe_interval steps
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -39,6 +43,7 @@ class Acceptance:
     accepted: float = 0.0
     rejected: float = 0.0
     refused_steps: int = 0   # consecutive steps the policy left this request's drafts out
+    backoff: int = 1         # probe after probe_interval x backoff refused steps
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.accepted = DECAY * self.accepted + accepted
@@ -92,18 +97,23 @@ class SpeculationPolicy:
     def prior(self) -> float:
         return self.method_alpha.alpha(0.5)
 
+    def probe_due(self, acceptance: Acceptance) -> bool:
+        """Whether a refused request's next proposal is taken anyway (a probe)."""
+        return acceptance.refused_steps >= self.probe_interval * acceptance.backoff
+
     def _best_length(self, c: Candidate, num_decodes: int, num_tokens: int, gain: float,
                      extra: int, best: float | None, prior: float
-                     ) -> tuple[int, float, float | None]:
-        """How many of c's drafts to take (0: none), their expected accepted tokens, and the
-        step's rate with them (None: not measured or a probe). A verify step of the whole
-        proposal not measured yet is explored; while the plain step is not measured, nothing is
-        taken; a request refused probe_interval steps in a row is probed at its best length."""
+                     ) -> tuple[int, float, float | None, bool]:
+        """How many of c's drafts to take (0: none), their expected accepted tokens, the
+        step's rate with them (None: not measured or a probe), and whether it is a probe. A
+        verify step of the whole proposal not measured yet is explored; while the plain step
+        is not measured, nothing is taken; a refused request whose probe is due is probed at
+        its best length."""
         whole = len(c.drafts)
         if self.costs.estimate(num_tokens + extra + whole, True) is None:
-            return whole, c.acceptance.expected(whole, prior), None
+            return whole, c.acceptance.expected(whole, prior), None, False
         if best is None:
-            return 0, 0.0, None
+            return 0, 0.0, None, False
         chosen, chosen_e, chosen_rate = 0, 0.0, best
         probe, probe_rate = whole, 0.0
         for d in range(1, whole + 1):
@@ -116,10 +126,10 @@ class SpeculationPolicy:
                 chosen, chosen_e, chosen_rate = d, e, rate
             if rate > probe_rate:
                 probe, probe_rate = d, rate
-        if not chosen and c.acceptance.refused_steps >= self.probe_interval:
+        if not chosen and self.probe_due(c.acceptance):
             # a probe, so the estimate follows the text: at the length that would pay best
-            return probe, c.acceptance.expected(probe, prior), None
-        return chosen, chosen_e, chosen_rate if chosen else None
+            return probe, c.acceptance.expected(probe, prior), None, True
+        return chosen, chosen_e, chosen_rate if chosen else None, False
 
     def choose(self, candidates: list[Candidate], num_decodes: int, num_tokens: int
                ) -> list[Candidate]:
@@ -135,15 +145,19 @@ class SpeculationPolicy:
         gain, extra = 0.0, 0
         best = None if plain is None else num_decodes / plain
         for c in ranked:
-            d, e, rate = self._best_length(c, num_decodes, num_tokens, gain, extra, best, prior)
+            d, e, rate, probe = self._best_length(c, num_decodes, num_tokens, gain, extra, best,
+                                                  prior)
             if d:
                 del c.drafts[d:]
                 taken.append(c)
                 gain += e
                 extra += d
                 c.acceptance.refused_steps = 0
-                if rate is not None:
+                if probe:
+                    c.acceptance.backoff = min(2 * c.acceptance.backoff, MAX_BACKOFF)
+                if rate is not None:   # taken on its merit
                     best = rate
+                    c.acceptance.backoff = 1
             else:
                 c.acceptance.refused_steps += 1
         return taken

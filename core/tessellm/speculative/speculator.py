@@ -128,7 +128,7 @@ class Speculator:
                 continue
             acceptance = r.speculation.acceptance if r.speculation is not None else None
             if acceptance is None or acceptance.refused_steps == 0 \
-                    or acceptance.refused_steps >= self.policy.probe_interval:
+                    or self.policy.probe_due(acceptance):
                 want = True
             else:
                 acceptance.refused_steps += 1
