@@ -145,3 +145,17 @@ def test_policy_cuts_a_proposal_to_the_length_that_pays():
         policy.costs.observe(rows, True, 0.012 if rows <= 4 else 0.024)
     c = _candidate(6, 40, 2)
     assert policy.choose([c], 1, 1) == [c] and len(c.drafts) == 3
+
+
+def test_a_costly_proposers_time_is_priced_apart():
+    """A draft model: its proposal time (learned in the steady state) is added to a verify
+    step's cost; until it is known proposals are explored."""
+    policy = SpeculationPolicy(adaptive=True, costly=True)
+    policy.costs.observe(1, False, 0.010)
+    policy.costs.observe(4, True, 0.012)
+    assert len(policy.choose([_candidate(3, 50, 0)], 1, 1)) == 1    # drafting cost unknown
+    policy.observe_proposal(0.060)           # 4 tokens in 72 ms < 1 in 10 ms: refused
+    assert policy.choose([_candidate(3, 50, 0)], 1, 1) == []
+    policy.proposal_cost = None
+    policy.observe_proposal(0.010)           # 4 tokens in 22 ms > 1 in 10 ms: taken
+    assert len(policy.choose([_candidate(3, 50, 0)], 1, 1)) == 1

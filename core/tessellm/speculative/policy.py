@@ -8,7 +8,12 @@ E(d) = alpha + alpha^2 + .. + alpha^d expected extra tokens.
 
 Per step, `StepCosts` keeps the measured seconds of steps by token count, apart for steps with
 and without drafts (a verify step may run another path than a decode step: eager rows instead
-of a captured graph or native program). A step of T tokens that decodes N requests yields
+of a captured graph or native program). A costly proposer's (a draft model's) time is not in
+them: `proposal_cost` is its EMA per step in the steady state (every request it drafts for
+had drafts the step before, so the draft catches up at most k + 1 tokens) and is added to a
+step with drafts; a first proposal or one after refused steps also catches up the prompt or
+the tokens since, a one-off the estimate leaves out (it would price the steady state at the
+cost of a prompt prefill and refuse forever). A step of T tokens that decodes N requests yields
 N tokens in c_plain(T) without drafts; taking proposals of D tokens worth E in all yields
 N + E tokens in c_spec(T + D). Proposals are taken, best E(d) / d first, each cut to the
 length (1 .. its own) that gives the step the best tokens per second, while that improves on
@@ -88,11 +93,20 @@ class Candidate:
 
 
 class SpeculationPolicy:
-    def __init__(self, adaptive: bool = True, probe_interval: int = 16) -> None:
+    def __init__(self, adaptive: bool = True, probe_interval: int = 16,
+                 costly: bool = False) -> None:
         self.adaptive = adaptive
+        self.costly = costly   # the proposer's time is priced apart (observe_proposal)
         self.probe_interval = probe_interval
         self.costs = StepCosts()
         self.method_alpha = Acceptance()   # over every request: the prior of a new one
+        self.proposal_cost: float | None = None   # a costly proposer's seconds a step
+
+    def observe_proposal(self, seconds: float) -> None:
+        """A costly proposer's steady-state seconds for one step's proposals."""
+        old = self.proposal_cost
+        self.proposal_cost = seconds if old is None else \
+            COST_DECAY * old + (1 - COST_DECAY) * seconds
 
     def prior(self) -> float:
         return self.method_alpha.alpha(0.5)
@@ -110,7 +124,8 @@ class SpeculationPolicy:
         is not measured, nothing is taken; a refused request whose probe is due is probed at
         its best length."""
         whole = len(c.drafts)
-        if self.costs.estimate(num_tokens + extra + whole, True) is None:
+        if self.costs.estimate(num_tokens + extra + whole, True) is None \
+                or (self.costly and self.proposal_cost is None):
             return whole, c.acceptance.expected(whole, prior), None, False
         if best is None:
             return 0, 0.0, None, False
@@ -120,6 +135,8 @@ class SpeculationPolicy:
             cost = self.costs.estimate(num_tokens + extra + d, True)
             if cost is None:
                 continue
+            if self.costly:
+                cost += self.proposal_cost
             e = c.acceptance.expected(d, prior)
             rate = (num_decodes + gain + e) / cost
             if rate > chosen_rate:

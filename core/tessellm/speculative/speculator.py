@@ -10,7 +10,10 @@ drafts are cleared, so drafts never outlive the step they were proposed for.
 
 A costly proposer (one with `costly = True`: a draft model) is asked only for the requests
 the policy takes, at the lengths it chose (the policy decides on nominal proposals of length k
-first), so a step whose proposals would not pay does not pay for proposing either.
+first), so a step whose proposals would not pay does not pay for proposing either. Its time is
+left out of the step's (observe_step) and priced apart: the policy learns it from the steps
+whose every request was drafted for the step before (`warm`: the draft catches up only what
+the last verify accepted).
 
 After the step, `verify` accepts each request's drafts against the step's draws (recording
 how many it accepted, `observe_verify`), and
@@ -19,6 +22,7 @@ how many it accepted, `observe_verify`), and
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +41,7 @@ class RequestSpeculation:
 
     state: Any = None                       # the proposer's (an n-gram index, ...)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    warm: bool = False                      # a costly proposer drafted for it last step
 
 
 def max_drafts(request: Request, k: int, max_model_len: int) -> int:
@@ -54,8 +59,10 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        self.policy = SpeculationPolicy(config.adaptive)
+        self.costly = bool(getattr(proposer, "costly", False))
+        self.policy = SpeculationPolicy(config.adaptive, costly=self.costly)
         self.stats = SpecStats(method=config.method)
+        self._proposal_seconds = 0.0   # the costly proposer's time in the step being made
 
     def _eligible(self, r: Request) -> int:
         if r.is_finished or r.num_pending or r.constraint is not None \
@@ -76,6 +83,8 @@ class Speculator:
             num_tokens += missing
             num_decodes += missing == 1
             k = self._eligible(r)
+            if r.speculation is not None and not k:
+                r.speculation.warm = False   # the draft falls behind
             if k:
                 if r.speculation is None:
                     r.speculation = RequestSpeculation()
@@ -84,7 +93,7 @@ class Speculator:
         if not requests:
             return
         budget = min(num_tokens, max_num_batched_tokens)
-        if getattr(self.proposer, "costly", False):
+        if self.costly:
             self._decide_then_propose(requests, ks, num_decodes, budget)
             return
         proposals = self.proposer.propose(requests, ks)
@@ -107,12 +116,20 @@ class Speculator:
                         for r, k in zip(requests, ks)]
         taken = self.policy.choose(placeholders, num_decodes, budget)
         self.stats.refused_proposals += len(placeholders) - len(taken)
+        steady = all(c.request.speculation.warm for c in taken)
+        for c in placeholders:
+            c.request.speculation.warm = False
         if not taken:
             return
+        t0 = time.perf_counter()
         proposals = self.proposer.propose([c.request for c in taken],
                                           [len(c.drafts) for c in taken])
+        self._proposal_seconds = time.perf_counter() - t0
+        if steady:
+            self.policy.observe_proposal(self._proposal_seconds)
         for c, drafts in zip(taken, proposals):
             c.request.draft_token_ids = list(drafts[:len(c.drafts)])
+            c.request.speculation.warm = bool(drafts)
         self.stats.proposals += len(placeholders)
 
     def wants_ids(self, sampled: Sequence[Request]) -> bool:
@@ -171,6 +188,8 @@ class Speculator:
         self.policy.method_alpha.observe(drafted, accepted)
 
     def observe_step(self, seconds: float, num_tokens: int, with_drafts: bool) -> None:
+        """A completed step's seconds (a costly proposer's time for it left out)."""
+        seconds, self._proposal_seconds = max(0.0, seconds - self._proposal_seconds), 0.0
         self.policy.costs.observe(num_tokens, with_drafts, seconds)
 
     def release(self, request: Request) -> None:
