@@ -162,3 +162,37 @@ def assert_error_body(body: Any) -> dict[str, Any]:
 def offline_text(llm: Any, prompt: str | list[int], params: Any) -> str:
     """The offline `LLM.generate` text for one prompt (what the server must answer)."""
     return llm.generate([prompt], params)[0].text
+
+
+def open_stream(server: ServerProcess, body: dict) -> tuple[http.client.HTTPConnection,
+                                                            http.client.HTTPResponse]:
+    """A streaming /v1/completions request, its response headers read."""
+    host, port = server.host_port
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def assert_killed_worker_ends_the_server(server: ServerProcess, pid: int, named: str,
+                                         streams: int) -> None:
+    """SIGKILL of a parallel worker while `streams` streams are open: each ends with a 500
+    error event whose message contains `named` within 10 s, /health turns 503 and the
+    server exits 1."""
+    opened = [open_stream(server, {"prompt": "Once upon a time", "max_tokens": 400,
+                                   "ignore_eos": True}) for _ in range(streams)]
+    for _, resp in opened:
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    for conn, resp in opened:
+        events = sse_events(resp.read().decode())
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert named in err["message"] and err["code"] == 500, err
+        conn.close()
+    assert time.monotonic() - t0 < 10
+    status, _, body = request(server, "GET", "/health")
+    assert status == 503 and body["error"]["code"] in ("engine_unavailable", "shutting_down")
+    assert server.proc.wait(30) == 1
+

@@ -3,15 +3,12 @@ process generates, and a killed stage ends every open stream with an error namin
 turns /health to 503 and makes the server exit non-zero (nothing hangs)."""
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import re
-import signal
-import time
 
 import pytest
-from server_fixtures import offline_text, request, running_server, sse_events
+from server_fixtures import (assert_killed_worker_ends_the_server, offline_text,
+                             open_stream, running_server, sse_events)
 
 from tessellm import LLM, SamplingParams
 
@@ -26,41 +23,19 @@ def server(tmp_path, stories_dir):
         yield s
 
 
-def _stream(server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    host, port = server.host_port
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
-                 headers={"Content-Type": "application/json"})
-    return conn, conn.getresponse()
-
-
 def test_two_stages_serve_the_offline_text_and_a_killed_stage_ends_the_server(server,
                                                                                stories_dir):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     with LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False,
              kernel_selection="first") as llm:
         want = offline_text(llm, "Once upon a time", params)
-    conn, resp = _stream(server, {"prompt": "Once upon a time", "max_tokens": 32,
-                                  "temperature": 0, "ignore_eos": True})
+    conn, resp = open_stream(server, {"prompt": "Once upon a time", "max_tokens": 32,
+                                      "temperature": 0, "ignore_eos": True})
     events = sse_events(resp.read().decode())
     conn.close()
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == want
 
     m = re.search(r"pipeline stage 1 \(rank 1\): pid (\d+)", server.log())
     assert m, server.log()
-    streams = [_stream(server, {"prompt": "Once upon a time", "max_tokens": 400,
-                                "ignore_eos": True}) for _ in range(3)]
-    for _, resp in streams:
-        assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    t0 = time.monotonic()
-    os.kill(int(m.group(1)), signal.SIGKILL)
-    for conn, resp in streams:
-        events = sse_events(resp.read().decode())
-        assert events[-1] == "[DONE]"
-        err = json.loads(events[-2])["error"]
-        assert "pipeline stage 1 (rank 1)" in err["message"] and err["code"] == 500, err
-        conn.close()
-    assert time.monotonic() - t0 < 10
-    status, _, body = request(server, "GET", "/health")
-    assert status == 503 and body["error"]["code"] in ("engine_unavailable", "shutting_down")
-    assert server.proc.wait(30) == 1
+    assert_killed_worker_ends_the_server(server, int(m.group(1)), "pipeline stage 1 (rank 1)",
+                                         streams=3)

@@ -3,15 +3,12 @@ generates, and a killed rank ends open streams with an error, turns /health to 5
 the server exit non-zero (nothing hangs)."""
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import re
-import signal
-import time
 
 import pytest
-from server_fixtures import offline_text, request, running_server, sse_events
+from server_fixtures import (assert_killed_worker_ends_the_server, offline_text,
+                             open_stream, running_server, sse_events)
 
 from tessellm import LLM, SamplingParams
 
@@ -29,14 +26,6 @@ def server(tmp_path, stories_dir):
         yield s
 
 
-def _stream(server, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    host, port = server.host_port
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
-                 headers={"Content-Type": "application/json"})
-    return conn, conn.getresponse()
-
-
 def test_served_with_two_ranks_streams_the_offline_text(server, stories_dir):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     with LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False,
@@ -44,8 +33,8 @@ def test_served_with_two_ranks_streams_the_offline_text(server, stories_dir):
         want = [offline_text(llm, p, params) for p in ("Once upon a time", "The little dog")]
     got = []
     for prompt in ("Once upon a time", "The little dog"):
-        conn, resp = _stream(server, {"prompt": prompt, "max_tokens": 48, "temperature": 0,
-                                      "ignore_eos": True})
+        conn, resp = open_stream(server, {"prompt": prompt, "max_tokens": 48,
+                                          "temperature": 0, "ignore_eos": True})
         assert resp.status == 200
         events = sse_events(resp.read().decode())
         assert events[-1] == "[DONE]"
@@ -57,20 +46,4 @@ def test_served_with_two_ranks_streams_the_offline_text(server, stories_dir):
 def test_killing_a_rank_ends_open_streams_and_the_server(server):
     m = re.search(r"tensor-parallel rank 1: pid (\d+)", server.log())
     assert m, server.log()
-    worker_pid = int(m.group(1))
-    streams = [_stream(server, {"prompt": "Once upon a time", "max_tokens": 400,
-                                "ignore_eos": True}) for _ in range(2)]
-    for _, resp in streams:
-        assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    t0 = time.monotonic()
-    os.kill(worker_pid, signal.SIGKILL)
-    for conn, resp in streams:
-        events = sse_events(resp.read().decode())
-        assert events[-1] == "[DONE]"
-        err = json.loads(events[-2])["error"]
-        assert "rank" in err["message"] and err["code"] == 500, err
-        conn.close()
-    assert time.monotonic() - t0 < 10
-    status, _, body = request(server, "GET", "/health")
-    assert status == 503 and body["error"]["code"] in ("engine_unavailable", "shutting_down")
-    assert server.proc.wait(30) == 1
+    assert_killed_worker_ends_the_server(server, int(m.group(1)), "rank", streams=2)
