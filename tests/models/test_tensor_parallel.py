@@ -136,18 +136,21 @@ def test_killing_a_rank_fails_the_open_requests_and_the_engine_stays_dead(cache)
         llm.close()
 
 
-def test_torchrun_environment_runs_the_same_engine(tmp_path, cache):
+@pytest.mark.parametrize("split", ["--tensor-parallel-size",
+                                   pytest.param("--pipeline-parallel-size",
+                                                marks=pytest.mark.slow)])
+def test_torchrun_environment_runs_the_same_engine(tmp_path, cache, split):
     """Two processes started by torchrun on loopback: rank 0 runs `tessellm generate`, rank 1
-    becomes its worker."""
+    becomes its worker (the second shard, or pipeline stage 1)."""
     ref = json.loads((STORIES_260K / "reference_greedy.json").read_text())
     env = {**os.environ, "TESSELLM_CACHE_DIR": str(cache)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "tessellm.cli.main",
          "generate", "--model", str(STORIES_260K), "--dtype", "float32", "--threads", "1",
-         "--tensor-parallel-size", "2", "--num-kv-blocks", "32", "--max-tokens", "40",
+         split, "2", "--num-kv-blocks", "32", "--max-tokens", "40",
          "--temperature", "0", "--ignore-eos", "--prompt", "Once upon a time"],
-        capture_output=True, text=True, timeout=180, env=env)
+        capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ref["text"].removeprefix(ref["prompt"]).strip() in proc.stdout
 
