@@ -188,8 +188,8 @@ def test_program_is_recorded_again_when_a_kernel_choice_changes(stories_dir):
 
 def test_batch_sizes_cover_every_decode_step():
     assert program_batch_sizes(1) == [1]
-    assert program_batch_sizes(6) == [1, 2, 3, 4, 6]
-    assert program_batch_sizes(64)[:8] == [1, 2, 3, 4, 8, 12, 16, 24]
+    assert program_batch_sizes(6) == [1, 2, 3, 4, 5, 6]
+    assert program_batch_sizes(64)[:11] == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24]
     assert program_batch_sizes(64)[-1] == 64
     assert program_batch_sizes(70)[-2:] == [64, 70]
 

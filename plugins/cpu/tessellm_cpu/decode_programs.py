@@ -4,8 +4,10 @@ them).
 
 The engine pads a decode step to the smallest declared size that holds it (padding rows are
 decodes over the null block whose tokens are dropped) and passes the same input buffers on
-every step of a size, as it does for CUDA graphs. Sizes: 1 to 4 exactly (one stream, a few
-streams), then every multiple of 4 up to 16, then of 8, and max_num_seqs itself.
+every step of a size, as it does for CUDA graphs. Sizes: 1 to 8 exactly (one stream, a few
+streams, and one stream's speculative verify steps of 1 + k rows: padding a 5-row verify step
+to 8 rows made its linears cost 8 rows), then every multiple of 4 up to 16, then of 8, and
+max_num_seqs itself.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def program_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 3, 4, 8, 12, 16) if s <= max_num_seqs]
+    sizes = [s for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16) if s <= max_num_seqs]
     sizes += list(range(24, max_num_seqs + 1, 8))
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
