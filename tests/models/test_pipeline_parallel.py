@@ -6,10 +6,6 @@ killed stage fails every open request with the stage named and the engine stays 
 configurations that cannot run are refused before any rank starts."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +13,9 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from hf_fixtures import CASES, STORIES_260K, build_hf_model, save_model_dir
+from parallel_fixtures import assert_killed_worker_fails_requests
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ConfigError
-from tessellm.parallel.group import ParallelGroupError
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = ([1, 403, 407, 261, 378], [1, *range(20, 200, 10)], [1, 5, 6])
@@ -103,18 +99,7 @@ def test_a_stage_holds_its_layers_kv_only_so_a_budget_holds_more_blocks(cache):
 def test_killing_a_stage_fails_every_open_request_and_the_engine_stays_dead(cache):
     llm = _llm(STORIES_260K, cache, pp=2, num_kv_blocks=64)
     try:
-        stage1 = llm.engine.parts.parallel.workers.procs[0]
-        killer = threading.Timer(1.0, os.kill, (stage1.pid, signal.SIGKILL))
-        killer.start()
-        t0 = time.monotonic()
-        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        with pytest.raises(ParallelGroupError, match=r"pipeline stage 1 \(rank 1\)"):
-            for _ in range(1000):   # until the kill lands mid-generation
-                llm.generate([[1, 403, 407]] * 3, long)
-        assert time.monotonic() - t0 < 30
-        assert not llm.engine.has_unfinished()
-        with pytest.raises(ParallelGroupError, match="pipeline stage 1"):
-            llm.generate([[1, 403]], GREEDY)
+        assert_killed_worker_fails_requests(llm, r"pipeline stage 1 \(rank 1\)")
     finally:
         llm.close()
 

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_fixtures import CASES, STORIES_260K, build_hf_model, save_model_dir
+from parallel_fixtures import assert_killed_worker_fails_requests
 from logits_probe import prefill_logits_and_token
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ConfigError
-from tessellm.parallel.group import ParallelGroupError
 
 pytestmark = pytest.mark.slow
 
@@ -120,18 +117,7 @@ def test_heads_the_ranks_cannot_split_are_a_clear_error(cache):
 def test_killing_a_rank_fails_the_open_requests_and_the_engine_stays_dead(cache):
     llm = _llm(STORIES_260K, cache, 2, num_kv_blocks=64)
     try:
-        worker = llm.engine.parts.parallel.workers.procs[0]
-        killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
-        killer.start()
-        t0 = time.monotonic()
-        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        with pytest.raises(ParallelGroupError, match="rank"):
-            for _ in range(1000):   # until the kill lands mid-generation
-                llm.generate([[1, 403, 407]] * 3, long)
-        assert time.monotonic() - t0 < 30
-        assert not llm.engine.has_unfinished()
-        with pytest.raises(ParallelGroupError):
-            llm.generate([[1, 403]], GREEDY)
+        assert_killed_worker_fails_requests(llm, "rank")
     finally:
         llm.close()
 
