@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 from tessellm.config import EngineConfig
 from tessellm.engine.async_engine import (AsyncEngine, EngineDeadError, EngineObserver,
@@ -213,7 +212,10 @@ class ReplicaSet:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def route(self, prompt_token_ids: list[int], lora_int_id: int = 0) -> Replica:
+    def route(self, prompt_token_ids: list[int], lora_int_id: int = 0
+              ) -> tuple[Replica, list]:
+        """The replica for a prompt and the prompt's block hashes (empty unless routing is
+        prefix-aware)."""
         live = self.in_rotation
         if not live:
             if self.fatal_error is not None:
@@ -224,17 +226,17 @@ class ReplicaSet:
         choice = self.router.choose([Candidate(i, r.engine.num_open,
                                                r.index.match(hashes) if hashes else 0)
                                      for i, r in enumerate(live)])
-        replica = live[choice.index]
-        if hashes:
-            replica.index.note_routed(hashes)
-        return replica
+        return live[choice.index], hashes
 
     def add_request_group(self, prompt_token_ids: list[int], params: SamplingParams, n: int,
                           request_id: str, stop: list[str] | None = None, priority: int = 0,
                           lora: tuple[str, int, str] | None = None) -> list[RequestStream]:
-        replica = self.route(prompt_token_ids, 0 if lora is None else lora[1])
-        return replica.engine.add_request_group(prompt_token_ids, params, n, request_id, stop,
-                                                priority, lora)
+        replica, hashes = self.route(prompt_token_ids, 0 if lora is None else lora[1])
+        streams = replica.engine.add_request_group(prompt_token_ids, params, n, request_id,
+                                                   stop, priority, lora)
+        if hashes:   # only an admitted request's prompt is noted as on its way there
+            replica.index.note_routed(hashes)
+        return streams
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                     stop: list[str] | None = None, priority: int = 0,
