@@ -165,62 +165,77 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* As q4_tile for Q4_K / Q5_K rows (x in block order): a group of 16 blocks is two
+/* Lanes 0-7 take block a's value, lanes 8-15 block b's (of a 16-block group). */
+INLINE __m512i two_block_lanes(int a, int b) {
+    return _mm512_mask_blend_epi32((__mmask16)0xff00, _mm512_set1_epi32(a), _mm512_set1_epi32(b));
+}
+
+/* As q4_tile for Q4_K / Q5_K rows (x in Q8_QUADS order): a group of 16 blocks is two
  * super-blocks, whose 8 blocks each have d_c = d sc and o_c = -dmin m (the offset term
- * o_c dx sum(xq)); pair p of a super-block is the low (block 2p) and high (2p + 1) nibbles of
- * the same 32 bytes, plus for Q5_K bits 2p and 2p + 1 of qh as the fifth bits. */
+ * o_c dx sum(xq), once per group). A quad of blocks 4q .. 4q + 3 is one 64-byte load of the
+ * nibbles: the low ones are blocks 4q and 4q + 2, the high ones 4q + 1 and 4q + 3 (Q5_K: plus
+ * those blocks' bits of qh as fifth bits), each against x's matching 64 bytes, so a quad
+ * costs per row two dot products, two conversions and two FMAs, its scales d_c dx taken from
+ * the group's products by one permute each. */
 INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
                     int64_t n0, int nr, float *res,
                     SpreadPrefetch *pf) {
-    const int64_t sbb = block_bytes(qtype);
+    const int64_t sbb = block_bytes(qtype), qoff = qtype == Q5_K ? 48 : 16;
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
-    const __m256i nib = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const __m512i nib = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;   /* 8 or 16 */
-        __m512 dx[MR], d[NR];
-        for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
+        __m512 s[NR][MR];   /* d_c dx_c, block c of the group in lane c */
         for (int r = 0; r < nr; r++) {
             const uint8_t *sb = w + (n0 + r) * row + (g / 8) * sbb;
             __m256 d0, o0, d1 = _mm256_setzero_ps(), o1 = _mm256_setzero_ps();
             k_quant_scales8(sb, &d0, &o0);
             if (ng > 8) k_quant_scales8(sb + sbb, &d1, &o1);
-            d[r] = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
+            const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1);
             const __m512 o = _mm512_insertf32x8(_mm512_castps256_ps512(o0), o1, 1);
-            for (int i = 0; i < mr; i++)
-                acc[r][i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
-        }
-        for (int64_t j = 0; j < ng / 2; j++) {
-            spread_step(pf);
-            const __m512i lanes = pair_lanes((int)j, 0);
-            const int64_t sb = g / 8 + j / 4;
-            const int p = (int)(j % 4);
-            __m512i xv[MR];
-            __m512 sdx[MR];
             for (int i = 0; i < mr; i++) {
-                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + 2 * j) * QK);
-                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
+                acc[r][i] = _mm512_fmadd_ps(o, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
+                s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
+            }
+        }
+        for (int q = 0; q < ng / 4; q++) {
+            spread_step(pf);
+            spread_step(pf);
+            const __m512i lanes_lo = two_block_lanes(4 * q, 4 * q + 2);
+            const __m512i lanes_hi = two_block_lanes(4 * q + 1, 4 * q + 3);
+            const int pp = q & 1;   /* the quad's place in its super-block */
+            __m512i xlo[MR], xhi[MR];
+            for (int i = 0; i < mr; i++) {
+                xlo[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * q) * QK);
+                xhi[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * q + 2) * QK);
             }
             for (int r = 0; r < nr; r++) {
-                const __m512 sd = _mm512_permutexvar_ps(lanes, d[r]);
-                const uint8_t *base = w + (n0 + r) * row + sb * sbb;
-                const __m256i q = _mm256_loadu_si256(
-                    (const __m256i *)(base + (qtype == Q5_K ? 48 : 16) + 32 * p));
-                __m256i lo = _mm256_and_si256(q, nib);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
-                if (qtype == Q5_K) {
+                const uint8_t *base = w + (n0 + r) * row + (g / 8 + q / 2) * sbb;
+                const __m512i qv = _mm512_loadu_si512((const void *)(base + qoff + 64 * pp));
+                __m512i lo = _mm512_and_si512(qv, nib);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qv, 4), nib);
+                if (qtype == Q5_K) {   /* block c's fifth bits: bit c of qh[0..31] */
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(base + 16));
-                    const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p)), one);
-                    const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * p + 1)), one);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(h0, 4));
-                    hi = _mm256_or_si256(hi, _mm256_slli_epi16(h1, 4));
+                    const __m512i qhv = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+                    const __m512i shift = _mm512_mask_blend_epi16(
+                        (__mmask32)0xffff0000u, _mm512_set1_epi16((short)(4 * pp)),
+                        _mm512_set1_epi16((short)(4 * pp + 2)));
+                    const __m512i one16 = _mm512_set1_epi16(1);
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(
+                        _mm512_and_si512(_mm512_srlv_epi16(qhv, shift), one), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(
+                        _mm512_and_si512(_mm512_srlv_epi16(qhv, _mm512_add_epi16(shift, one16)),
+                                         one), 4));
                 }
-                const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                 for (int i = 0; i < mr; i++) {
-                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv[i]);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                    const __m512i dlo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo),
+                                                _mm512_permutexvar_ps(lanes_lo, s[r][i]), acc[r][i]);
+                    const __m512i dhi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, xhi[i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi),
+                                                _mm512_permutexvar_ps(lanes_hi, s[r][i]), acc[r][i]);
                 }
             }
         }
@@ -229,9 +244,13 @@ INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* As q8_tile for Q6_K rows (x in block order): the levels q - 32 are signed bytes (their sign
- * moved onto x), and each 16 weights have their own d sc: the dot product's lanes of pair p
- * (4 lanes = 16 weights) take d sc[4p .. 4p + 3] times their block's dx. */
+/* As q8_tile for Q6_K rows (x in block order): half h of a super-block (weights 128h ..
+ * 128h + 127) is one 64-byte load of ql (low nibbles: weights 0-63, high: 64-127) and one
+ * 32-byte load of qh (2 bits per weight), giving the unsigned levels q (0..63) of two 64-weight
+ * halves. u8 x s8 dot products of q take (q - 32) . x exactly when they start from
+ * -32 sum(x) per lane (one dot product of x with 32s, shared by the weight rows). Each 16
+ * weights have their own d sc: lane k of a 64-weight half takes d sc of group k / 4 times its
+ * block's dx. */
 INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
                      int64_t n0, int nr, float *res,
                      SpreadPrefetch *pf) {
@@ -239,7 +258,10 @@ INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0f);
+    const __m512i m3 = _mm512_set1_epi8(0x03), k32 = _mm512_set1_epi8(32);
+    const __m512i quarter = _mm512_srli_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     for (int64_t g = 0; g < nb; g += 8) {   /* a super-block at a time */
         const int64_t sb = g / 8;
         __m512 dx[MR], dsc[NR];
@@ -249,41 +271,42 @@ INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64
             k_quant_block_scales(w + (n0 + r) * row + sb * sbb, Q6_K, ds, unused);
             dsc[r] = _mm512_loadu_ps(ds);
         }
-        for (int p = 0; p < 4; p++) {
+        for (int h = 0; h < 2; h++) {
             spread_step(pf);
-            const __m512i lanes = pair_lanes(p, 0);
-            const __m512i groups = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                 _mm512_set1_epi32(16 * p)), 2);   /* lane -> 16-weight group */
-            __m512i xv[MR];
-            __m512 sdx[MR];
+            spread_step(pf);
+            __m512i x0[MR], x1[MR], neg0[MR], neg1[MR];
+            __m512 sdx0[MR], sdx1[MR];
             for (int i = 0; i < mr; i++) {
-                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + 2 * p) * QK);
-                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
+                x0[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * h) * QK);
+                x1[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * h + 2) * QK);
+                neg0[i] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, k32, x0[i]));
+                neg1[i] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, k32, x1[i]));
+                sdx0[i] = _mm512_permutexvar_ps(two_block_lanes(4 * h, 4 * h + 1), dx[i]);
+                sdx1[i] = _mm512_permutexvar_ps(two_block_lanes(4 * h + 2, 4 * h + 3), dx[i]);
             }
+            const __m512i groups0 = _mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h));
+            const __m512i groups1 = _mm512_add_epi32(quarter, _mm512_set1_epi32(8 * h + 4));
             for (int r = 0; r < nr; r++) {
-                const __m512 sd = _mm512_permutexvar_ps(groups, dsc[r]);
                 const uint8_t *base = w + (n0 + r) * row + sb * sbb;
-                const int h = p >> 1, s4 = 4 * (p & 1);
-                const uint8_t *ql = base + 64 * h, *qh = base + 128 + 32 * h;
-                const __m512i nibs = _mm512_and_si512(
-                    _mm512_srl_epi16(_mm512_loadu_si512((const void *)ql), _mm_cvtsi32_si128(s4)),
-                    _mm512_set1_epi8(0x0f));
-                const __m256i hv = _mm256_loadu_si256((const __m256i *)qh);
-                const __m512i hh = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_srl_epi16(hv, _mm_cvtsi32_si128(s4))),
-                    _mm256_srl_epi16(hv, _mm_cvtsi32_si128(s4 + 2)), 1);
-                const __m512i q = _mm512_sub_epi8(
-                    _mm512_or_si512(nibs, _mm512_and_si512(_mm512_slli_epi16(hh, 4),
-                                                           _mm512_set1_epi8(0x30))),
-                    _mm512_set1_epi8(32));
-                const __mmask64 neg = _mm512_movepi8_mask(q);
-                const __m512i aq = _mm512_abs_epi8(q);
+                const __m512i ql = _mm512_loadu_si512((const void *)(base + 64 * h));
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(base + 128 + 32 * h));
+                /* qh's bits 0-1 for weights 0-31, 2-3 for 32-63; shifted by 4: 64-95, 96-127 */
+                const __m512i qhv = _mm512_inserti64x4(_mm512_castsi256_si512(qh),
+                                                       _mm256_srli_epi16(qh, 2), 1);
+                const __m512i q0 = _mm512_or_si512(
+                    _mm512_and_si512(ql, m4), _mm512_slli_epi16(_mm512_and_si512(qhv, m3), 4));
+                const __m512i q1 = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                    _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qhv, 4), m3), 4));
+                const __m512 sc0 = _mm512_permutexvar_ps(groups0, dsc[r]);
+                const __m512 sc1 = _mm512_permutexvar_ps(groups1, dsc[r]);
                 for (int i = 0; i < mr; i++) {
-                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
-                    const __m512i xs = _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]);
-                    const __m512i dot = _mm512_dpbusd_epi32(zero, aq, xs);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg0[i], q0, x0[i])),
+                        _mm512_mul_ps(sc0, sdx0[i]), acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(neg1[i], q1, x1[i])),
+                        _mm512_mul_ps(sc1, sdx1[i]), acc[r][i]);
                 }
             }
         }
@@ -338,7 +361,8 @@ int linear_q8act_team(const LinearQ8ActArgs *a) {
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
-    const int interleave = qtype == Q4_0 || qtype == Q4_1;   /* their pairs' nibble order */
+    const int layout = qtype == Q4_0 || qtype == Q4_1 ? Q8_PAIRS
+                       : qtype == Q4_K || qtype == Q5_K ? Q8_QUADS : Q8_ORDER;
     const size_t stride = q8_row_stride(nb);
     uint8_t *base = a->scratch;
     QRow *rows = (QRow *)(base + stride * (size_t)M);
@@ -349,7 +373,7 @@ int linear_q8act_team(const LinearQ8ActArgs *a) {
         rows[i].xq = (int8_t *)r;
         rows[i].dx = (float *)(r + round_up(nb, 2) * QK);
         rows[i].sx = rows[i].dx + round_up(nb, 16);
-        quantize_row(a->x + i * K, nb, interleave, rows[i]);
+        quantize_row(a->x + i * K, nb, layout, rows[i]);
     }
     const int64_t groups = (N + NR - 1) / NR;
 #pragma omp for schedule(static) nowait

@@ -196,7 +196,7 @@ int linear_q8act_amx_team(const Q8ActAmxArgs *a) {
         rows[i].xq = (int8_t *)r;
         rows[i].dx = (float *)(r + round_up(nb, 2) * QK);
         rows[i].sx = rows[i].dx + round_up(nb, 16);
-        if (i < M) quantize_row(a->x + i * K, nb, 0, rows[i]);
+        if (i < M) quantize_row(a->x + i * K, nb, Q8_ORDER, rows[i]);
         else memset(r, 0, per_row);   /* padding rows: d = 0, q = 0 */
     }
     run_strips_team(&sh, a->w, a->bias, a->out, TILE_ROWS, TILE_COLSB, to_b_form, tile_rows, &q,

@@ -27,12 +27,19 @@ INLINE size_t row_bytes(int64_t nb) {
     return (size_t)round_up(nb, 2) * QK + 2 * sizeof(float) * (size_t)round_up(nb, 16);
 }
 
-/* Quantize one row of x. `interleave`: pairs of blocks (A, B) laid out as A0-15 B0-15 A16-31
- * B16-31, the order the unpacked 4-bit weights of a pair come in; else blocks in order. */
-static inline void quantize_row(const float *x, int64_t nb, int interleave, QRow r) {
+/* Where the blocks of a row of x go in its xq (the order the unpacked weights come in):
+ * Q8_ORDER: block b at b * 32; Q8_PAIRS (Q4_0, Q4_1: a pair of blocks A, B unpacked from one
+ * 16-byte load): A0-15 B0-15 A16-31 B16-31; Q8_QUADS (Q4_K, Q5_K: one 64-byte load of a
+ * super-block's quad of blocks 0-3 unpacks blocks 0 and 2 from the low nibbles, 1 and 3 from
+ * the high ones): blocks 0, 2, 1, 3 of each quad. */
+enum { Q8_ORDER = 0, Q8_PAIRS = 1, Q8_QUADS = 2 };
+
+/* Quantize one row of x into the `layout` above. */
+static inline void quantize_row(const float *x, int64_t nb, int layout, QRow r) {
     memset(r.xq, 0, (size_t)round_up(nb, 2) * QK);
     memset(r.dx, 0, sizeof(float) * (size_t)round_up(nb, 16));
     memset(r.sx, 0, sizeof(float) * (size_t)round_up(nb, 16));
+    static const int quad_slot[4] = {0, 2, 1, 3};
     for (int64_t b = 0; b < nb; b++) {
         const float *p = x + b * QK;
         const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
@@ -46,12 +53,12 @@ static inline void quantize_row(const float *x, int64_t nb, int interleave, QRow
         }
         const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
         int8_t *dst;
-        if (interleave) {
+        if (layout == Q8_PAIRS) {
             dst = r.xq + (b / 2) * 64 + (b % 2) * 16;
             _mm_storeu_si128((__m128i *)dst, blo);
             _mm_storeu_si128((__m128i *)(dst + 32), bhi);
         } else {
-            dst = r.xq + b * QK;
+            dst = r.xq + (layout == Q8_QUADS ? (b / 4) * 4 + quad_slot[b % 4] : b) * QK;
             _mm_storeu_si128((__m128i *)dst, blo);
             _mm_storeu_si128((__m128i *)(dst + 16), bhi);
         }
