@@ -71,8 +71,11 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     # Pipeline parallelism (tessellm.models.pipeline, tessellm.parallel.pipe): the decoder
     # layers split into this many contiguous stages, each of tensor_parallel_size ranks
-    # (ranks = TP x PP). A step's forward pass flows through the stages one after another.
+    # (ranks = TP x PP). A step's requests split into up to pipeline_micro_batches
+    # micro-batches (default: P) that flow through the stages in turn, so the stages overlap
+    # (tessellm.parallel.micro_batches); 1: the whole step passes the stages one after another.
     pipeline_parallel_size: int = Field(1, ge=1)
+    pipeline_micro_batches: int | None = Field(None, ge=1)
     # Who starts the ranks: "mp" (rank 0 starts local processes, or a launcher such as
     # torchrun did). "ray" (Ray actors in a placement group) is not built yet.
     distributed_executor_backend: Literal["mp", "ray"] = "mp"

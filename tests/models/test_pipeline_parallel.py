@@ -49,6 +49,36 @@ def test_two_stages_equal_one_process(cache, want):
         assert two.engine.parts.parallel.layout.pp == 2
         assert len(two.engine.parts.kv_caches) == 3   # layers 0-2 of 5 on stage 0
         assert _tokens(two) == want
+        stats = two.engine.runner.pipe.stats   # 3 requests: steps of 2 micro-batches
+        assert stats.micro_batches == 2 * stats.steps
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_micro_batches_of_chunked_mixed_steps_with_prompt_logprobs_equal_one_process(
+        cache, micro_batches):
+    """Prompts chunked 24 tokens a step (decodes and prompt chunks in one step, chunks that
+    sample nothing) with prompt logprobs (logits rows of several micro-batches put back in
+    the step's order): the same tokens and logprobs as one process, through 1 (synchronous)
+    or 3 micro-batches."""
+    prompts = [[1, *range(20 + 9 * i, 30 + 13 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    chunked = dict(max_num_batched_tokens=24, max_num_seqs=5)
+    results = []
+    for pp, extra in ((1, {}), (2, dict(pipeline_micro_batches=micro_batches))):
+        with _llm(STORIES_260K, cache, pp=pp, **chunked, **extra) as llm:
+            outs = llm.generate([list(p) for p in prompts], params)
+            results.append([(o.outputs[0].token_ids,
+                             [None if lp is None else (lp[0], round(lp[1], 4))
+                              for lp in _prompt_logprobs(o)]) for o in outs])
+            if pp == 2:
+                stats = llm.engine.runner.pipe.stats
+                assert (stats.micro_batches > stats.steps) == (micro_batches > 1)
+    assert results[0] == results[1]
+
+
+def _prompt_logprobs(out) -> list:
+    """(token, logprob) of each prompt position's own token (None for the first)."""
+    return [None if lp is None else (lp.token_id, lp.logprob) for lp in out.prompt_logprobs]
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3"])

@@ -54,6 +54,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                    help="split the decoder layers into this many stages of "
                         "--tensor-parallel-size ranks each (ranks = TP x PP)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="split a pipelined step's requests into up to this many micro-batches "
+                        "so the stages overlap (default: --pipeline-parallel-size; 1: none)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="who starts the ranks: mp (local processes, or torchrun's); ray is "
                         "not built yet")
@@ -80,7 +83,8 @@ def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
-            "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
+            "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
+            "distributed_executor_backend",
             "packed_activations", "async_scheduling", "enable_lora",
             "max_loras", "max_lora_rank", "max_cpu_loras")
     options = {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
