@@ -6,6 +6,7 @@ killed stage fails every open request with the stage named and the engine stays 
 configurations that cannot run are refused before any rank starts."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,8 +146,8 @@ def test_killing_a_stage_fails_every_open_request_and_the_engine_stays_dead(cach
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram",
                                                         "num_speculative_tokens": 2}),
      ValidationError, "speculative_config is not supported with pipeline_parallel_size"),
-    (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), ValidationError,
-     "'ray' is not built yet"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batches=0), ValidationError,
+     "pipeline_micro_batches"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=3), ConfigError,
      "tensor_parallel_size=3 cannot split"),
 ])
@@ -160,4 +161,21 @@ def test_configurations_that_cannot_run_are_refused_before_any_rank_starts(
     monkeypatch.setattr(launch.LocalWorkers, "spawn", no_workers)
     with pytest.raises(error, match=match):
         LLM(str(STORIES_260K), cache_dir=str(cache), **{**OPTIONS, **options})
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("launcher_env,match", [
+    ({}, r"distributed_executor_backend='ray' starts its ranks on Ray, which is not "
+         r"installed .*pip install 'tessellm\[ray\]'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "'ray' starts the ranks as Ray actors: run it without a launcher"),
+])
+def test_the_ray_backend_without_ray_or_under_a_launcher_is_refused(
+        launcher_env, match, cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` fails: nothing reaches Ray
+    for key, value in launcher_env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(STORIES_260K), cache_dir=str(cache), pipeline_parallel_size=2,
+            distributed_executor_backend="ray", **OPTIONS)
     assert not dist.is_initialized()
