@@ -63,8 +63,14 @@ ENGINE_NOTES = MappingProxyType({
                             "(see Tensor parallelism)",
     "pipeline_parallel_size": "stages the decoder layers are split into, each of "
                               "tensor_parallel_size ranks (see Tensor parallelism)",
+    "pipeline_micro_batches": "most micro-batches a pipelined step's requests are split "
+                              "into so the stages overlap (default: pipeline_parallel_size; "
+                              "1: the whole step through the stages in turn)",
     "distributed_executor_backend": "who starts the ranks: mp (local processes, or a "
-                                    "launcher such as torchrun); ray is not built yet",
+                                    "launcher such as torchrun) or ray (Ray actors in a "
+                                    "placement group; see Tensor parallelism)",
+    "ray_address": "the Ray cluster to join (`auto`, `HOST:PORT`) for the ray backend's "
+                   "ranks and the server's data-parallel replicas; default: start a local one",
     "distributed_timeout_s": "a collective that waits longer fails (never hangs)",
     "load_progress": "show a progress bar while loading weights",
     "priority_levels": "priority classes of requests: 0 (most urgent) to priority_levels - 1",
