@@ -30,8 +30,10 @@ slot (-1: base model; padding rows too) is staged and fed like the positions.
 Tensor parallelism: the leader sends each step's BlockOps and its forward rows with the block
 table (parallel.messages.Batch) to the other ranks, which replay them (`run_block_ops`,
 `run_rows`); a single device never builds those messages. Pipeline parallelism: `run_rows`
-runs the plan through the rank's StageLink (parallel.pipe): the hidden state comes from the
-previous stage and goes on to the next, and the leader gets the last stage's logits.
+splits the step into micro-batches of whole requests (parallel.micro_batches; each gets its
+own views of the uploaded inputs and its own AttentionMetadata, `_feeds`) and runs the plan
+on each through the rank's StageLink (parallel.pipe): the hidden state comes from the
+previous stage and goes on to the next, and the leader gets the logits in the step's order.
 """
 from __future__ import annotations
 

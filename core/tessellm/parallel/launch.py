@@ -149,10 +149,13 @@ def start_group(config: EngineConfig) -> ParallelGroup:
         # the store listens on every interface; the workers reach it at `host`
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        workers: WorkerRanks
         if config.distributed_executor_backend == "ray":
             from tessellm.parallel.ray_workers import RayWorkers
-            workers: WorkerRanks = RayWorkers.start(layout, config, store.port)
-            config = config.model_copy(update={"num_threads": workers.threads})
+            actors = RayWorkers.start(layout, config, store.port)
+            # every actor runs the threads its bundle reserved
+            config = config.model_copy(update={"num_threads": actors.threads})
+            workers = actors
         else:
             workers = LocalWorkers.spawn(layout, store.port, timeout_s)
         try:

@@ -5,7 +5,8 @@ takes the engine config from rank 0, builds its shard of the model and its KV po
 its kernels, and then replays rank 0's device work in order until `Stop`: block operations
 and forward passes (the collectives inside them keep the ranks in step). It never schedules
 or samples. It exits when rank 0 is gone: the control channel's connection closes, and a
-worker rank 0 started also watches that its parent is alive.
+worker rank 0 started as a child process also watches that its parent is alive. A Ray actor
+(parallel.ray_workers) lives the same life through `run_rank`.
 """
 from __future__ import annotations
 
