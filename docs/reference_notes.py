@@ -71,6 +71,9 @@ ENGINE_NOTES = MappingProxyType({
                                     "placement group; see Tensor parallelism)",
     "ray_address": "the Ray cluster to join (`auto`, `HOST:PORT`) for the ray backend's "
                    "ranks and the server's data-parallel replicas; default: start a local one",
+    "ray_placement_strategy": "the ray backend's placement group: the worker ranks on as few "
+                              "nodes as hold them (`PACK`) or one per node as far as the nodes "
+                              "go (`SPREAD`)",
     "distributed_timeout_s": "a collective that waits longer fails (never hangs)",
     "load_progress": "show a progress bar while loading weights",
     "priority_levels": "priority classes of requests: 0 (most urgent) to priority_levels - 1",

@@ -83,6 +83,10 @@ class EngineConfig(BaseModel):
     # The Ray cluster to join ("auto", "HOST:PORT", "ray://..."): for the ray backend's ranks,
     # and for the server's data-parallel replicas. None: start a local cluster.
     ray_address: str | None = Field(None, min_length=1)
+    # How the ray backend's placement group spreads the worker ranks' bundles: PACK (as few
+    # nodes as hold them: a stage's all-reduces stay local) or SPREAD (one per node as far as
+    # the nodes go: more memory and cores per rank).
+    ray_placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
     distributed_timeout_s: float = Field(120.0, gt=0)
     load_progress: bool = True
     # Scheduling (tessellm.scheduler): priorities 0 (most urgent) .. priority_levels - 1, aging

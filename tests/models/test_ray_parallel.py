@@ -52,13 +52,16 @@ def _free_cpus(want: float = CPUS, within_s: float = 10.0) -> float:
     return free
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
-def test_ranks_as_ray_actors_equal_one_process(cluster, want, tp, pp):
+@pytest.mark.parametrize("tp,pp,strategy", [(1, 2, "PACK"), (2, 1, "SPREAD")])
+def test_ranks_as_ray_actors_equal_one_process(cluster, want, tp, pp, strategy):
     from tessellm.parallel.ray_workers import RayWorkers
     with LLM(str(STORIES_260K), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             distributed_executor_backend="ray", **OPTIONS) as llm:
+             distributed_executor_backend="ray", ray_placement_strategy=strategy,
+             **OPTIONS) as llm:
         workers = llm.engine.parts.parallel.workers
         assert isinstance(workers, RayWorkers) and not workers.owns_ray
+        table = ray.util.placement_group_table(workers.placement)
+        assert table["strategy"] == strategy and table["state"] == "CREATED"
         assert _free_cpus(CPUS - 1) == CPUS - 1   # one bundle of 1 CPU for rank 1
         assert _tokens(llm) == want
     assert _free_cpus() == CPUS   # actors killed, placement group removed

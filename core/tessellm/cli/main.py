@@ -64,6 +64,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
                    help="the Ray cluster to join (ray start's address, or 'auto') for "
                         "--distributed-executor-backend ray or serve's -dp N (default: start "
                         "a local one with the CPUs the ranks or replicas ask for)")
+    p.add_argument("--ray-placement-strategy", default=None, choices=["PACK", "SPREAD"],
+                   help="--distributed-executor-backend ray: the worker ranks on as few nodes "
+                        "as hold them (PACK, default) or one per node (SPREAD)")
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT) over the model (see --lora-modules)")
     p.add_argument("--max-loras", type=int, default=None,
@@ -88,7 +91,7 @@ def engine_options(a: argparse.Namespace) -> dict:
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
             "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
-            "distributed_executor_backend", "ray_address",
+            "distributed_executor_backend", "ray_address", "ray_placement_strategy",
             "packed_activations", "async_scheduling", "enable_lora",
             "max_loras", "max_lora_rank", "max_cpu_loras")
     options = {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}

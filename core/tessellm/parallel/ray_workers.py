@@ -3,7 +3,7 @@
 Rank 0 (the engine's process) joins the Ray cluster at `ray_address` (or starts a local one
 of exactly the CPUs its workers ask for: tessellm.ray.cluster), reserves a placement group of
 one bundle per worker rank (`num_cpus` = threads per rank, and a GPU each on cuda; strategy
-PACK: as few nodes as fit), and starts one `WorkerRankActor` per bundle. Each actor runs the
+`ray_placement_strategy`: PACK, as few nodes as fit, or SPREAD), and starts one `WorkerRankActor` per bundle. Each actor runs the
 worker's main loop (parallel.worker.run_rank) in its own process, joining rank 0's TCP store
 at an address reachable from its node: loopback on a local cluster, rank 0's node address in
 the cluster otherwise. From there on the group is the mp backend's (the same store, the same
@@ -74,7 +74,7 @@ class RayWorkers(WorkerRanks):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         bundle = {"CPU": threads, **({"GPU": 1} if cuda else {})}
-        placement = placement_group([bundle] * workers, strategy="PACK")
+        placement = placement_group([bundle] * workers, strategy=config.ray_placement_strategy)
         ready, _ = ray.wait([placement.ready()], timeout=config.distributed_timeout_s)
         if not ready:
             remove_placement_group(placement)
