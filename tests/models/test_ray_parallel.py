@@ -2,7 +2,7 @@
 one local Ray cluster of 3 CPUs shared by the module (float32, 1 thread per rank, against one
 process): pipeline stages and tensor-parallel ranks give the same greedy tokens; a killed
 actor fails every open request with its stage named; closing the engine kills the actors and
-gives the placement group's CPUs back."""
+gives the placement group's CPUs back; ranks the cluster cannot place are a start-up error."""
 from __future__ import annotations
 
 import time
@@ -32,9 +32,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def want(tmp_path_factory) -> list:
-    with LLM(str(STORIES_260K), cache_dir=str(tmp_path_factory.mktemp("ray-cache")),
-             **OPTIONS) as one:
+def want() -> list:
+    with LLM(str(STORIES_260K), **OPTIONS) as one:
         return _tokens(one)
 
 
@@ -74,4 +73,16 @@ def test_a_killed_actor_fails_every_request_naming_its_stage(cluster):
         assert_killed_worker_fails_requests(llm, r"pipeline stage 1 \(rank 1\) \(Ray actor pid")
     finally:
         llm.close()
+    assert _free_cpus() == CPUS
+
+
+def test_ranks_the_cluster_cannot_place_are_a_start_up_error(cluster):
+    """A bundle of 8 CPUs on a 3-CPU cluster: refused after distributed_timeout_s naming
+    the bundle, nothing left reserved and no group joined."""
+    import torch.distributed as dist
+    from tessellm.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"cannot place 1 worker ranks of \{'CPU': 8\}"):
+        LLM(str(STORIES_260K), pipeline_parallel_size=2, distributed_executor_backend="ray",
+            **{**OPTIONS, "num_threads": 8, "distributed_timeout_s": 2.0})
+    assert not dist.is_initialized()
     assert _free_cpus() == CPUS

@@ -77,23 +77,28 @@ class RayWorkers(WorkerRanks):
         placement = placement_group([bundle] * workers, strategy=config.ray_placement_strategy)
         ready, _ = ray.wait([placement.ready()], timeout=config.distributed_timeout_s)
         if not ready:
+            message = (f"the Ray cluster cannot place {workers} worker ranks of {bundle} "
+                       f"each within {config.distributed_timeout_s:.0f} s (cluster "
+                       f"resources: {ray.cluster_resources()})")
             remove_placement_group(placement)
             if owns:
                 ray.shutdown()
-            raise ConfigError(f"the Ray cluster cannot place {workers} worker ranks of "
-                              f"{bundle} each within {config.distributed_timeout_s:.0f} s "
-                              f"(cluster resources: {ray.cluster_resources()})")
+            raise ConfigError(message)
         remote = ray.remote(WorkerRankActor)
         actors = [remote.options(num_cpus=threads, num_gpus=1 if cuda else 0, max_restarts=0,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
                                      placement, placement_group_bundle_index=i)).remote()
                   for i in range(workers)]
         started = cls(ray, layout, actors, [], [], [], placement, owns, threads)
-        try:
-            started._pids = ray.get([a.pid.remote() for a in actors])
+        try:   # the actors' processes are up (or their start failed) within the timeout
+            started._pids = ray.get([a.pid.remote() for a in actors],
+                                    timeout=config.distributed_timeout_s)
             started.nodes = ray.get([a.node.remote() for a in actors])
-        except BaseException:
+        except BaseException as e:
             started.kill()
+            if isinstance(e, Exception):
+                raise ParallelGroupError(f"the worker ranks' Ray actors did not start: "
+                                         f"{type(e).__name__}: {e}") from e
             raise
         host = reachable_host(config.ray_address is None)
         started.runs = [a.run.remote(rank, layout.world, config.distributed_timeout_s, host,
@@ -133,7 +138,8 @@ class RayWorkers(WorkerRanks):
             return f"died: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self.ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout_s)
+        if self.runs:   # after Stop every run call returns
+            self.ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout_s)
         self.kill()
 
     def kill(self) -> None:
