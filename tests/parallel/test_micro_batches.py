@@ -57,6 +57,9 @@ def test_prompt_rows_of_several_micro_batches_come_back_after_every_sampled_row(
 
 def test_one_micro_batch_when_padded_or_asked_or_a_single_sequence():
     assert split_rows(_rows([1, 1], [0, 1], 2, pad=(4, 4, True)), 2).whole
+    padded = _rows([3, 0], [2, 0], pad=(8, 2, False))   # 5 padding rows outside every sequence
+    padded.token_ids += [0] * 5
+    assert split_rows(padded, 2).batches[0].tokens == range(8)
     assert split_rows(_rows([1, 1], [0, 1], 2), 1).whole
     whole = split_rows(_rows([7], [6]), 4)
     assert whole.whole and whole.query_start_loc == [0, 7] and whole.logits_indices == [6]

@@ -86,7 +86,8 @@ def split_rows(b: ForwardRows, count: int) -> MicroBatchSplit:
         qsl.append(qsl[-1] + q)
     count = min(count, n) if b.pad is None else 1
     if count <= 1:
-        whole = MicroBatch(range(n), range(qsl[-1]), range(n + 1),
+        # every token row, padding rows outside every sequence included (a padded step)
+        whole = MicroBatch(range(n), range(len(b.token_ids)), range(n + 1),
                            range(len(b.logits_indices)), b.num_decodes)
         return MicroBatchSplit([whole], qsl, list(b.logits_indices), None,
                                len(b.logits_indices))
