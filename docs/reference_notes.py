@@ -66,6 +66,9 @@ ENGINE_NOTES = MappingProxyType({
     "pipeline_micro_batches": "most micro-batches a pipelined step's requests are split "
                               "into so the stages overlap (default: pipeline_parallel_size; "
                               "1: the whole step through the stages in turn)",
+    "pipeline_micro_batch_tokens": "a pipelined step is split only into micro-batches of at "
+                                   "least this many tokens on average (each re-reads the "
+                                   "stage's weights; decodes of few requests stay whole)",
     "distributed_executor_backend": "who starts the ranks: mp (local processes, or a "
                                     "launcher such as torchrun) or ray (Ray actors in a "
                                     "placement group; see Tensor parallelism)",

@@ -74,8 +74,11 @@ class EngineConfig(BaseModel):
     # (ranks = TP x PP). A step's requests split into up to pipeline_micro_batches
     # micro-batches (default: P) that flow through the stages in turn, so the stages overlap
     # (tessellm.parallel.micro_batches); 1: the whole step passes the stages one after another.
+    # A step is split only into micro-batches of pipeline_micro_batch_tokens tokens or more
+    # on average (each re-reads the stage's weights: decodes of few requests stay whole).
     pipeline_parallel_size: int = Field(1, ge=1)
     pipeline_micro_batches: int | None = Field(None, ge=1)
+    pipeline_micro_batch_tokens: int = Field(32, ge=1)
     # Who starts the ranks: "mp" (rank 0 starts local processes, or a launcher such as
     # torchrun did) or "ray" (rank 0 starts them as Ray actors in a placement group on the
     # cluster at ray_address, else on a local cluster it starts: tessellm.parallel.ray_workers).

@@ -25,8 +25,11 @@ OPTIONS = dict(device="cpu", dtype="float32", num_threads=1, max_num_seqs=4, blo
 
 
 def _llm(path: Path, cache: Path, tp: int = 1, pp: int = 1, **extra) -> LLM:
+    """Pipelined steps split however few tokens they have, so every test's decode steps
+    run through micro-batches too."""
     return LLM(str(path), cache_dir=str(cache), tensor_parallel_size=tp,
-               pipeline_parallel_size=pp, **{**OPTIONS, **extra})
+               pipeline_parallel_size=pp, **{**OPTIONS, "pipeline_micro_batch_tokens": 1,
+                                             **extra})
 
 
 def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list:
@@ -148,6 +151,8 @@ def test_killing_a_stage_fails_every_open_request_and_the_engine_stays_dead(cach
      ValidationError, "speculative_config is not supported with pipeline_parallel_size"),
     (dict(pipeline_parallel_size=2, pipeline_micro_batches=0), ValidationError,
      "pipeline_micro_batches"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batch_tokens=0), ValidationError,
+     "pipeline_micro_batch_tokens"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=3), ConfigError,
      "tensor_parallel_size=3 cannot split"),
 ])

@@ -19,7 +19,8 @@ CPUS = 3
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 403, 407, 261, 378], [1, *range(20, 200, 10)], [1, 5, 6]]
 OPTIONS = dict(device="cpu", dtype="float32", num_threads=1, max_num_seqs=4, block_size=16,
-               num_kv_blocks=32, load_progress=False, kernel_selection="first")
+               num_kv_blocks=32, load_progress=False, kernel_selection="first",
+               pipeline_micro_batch_tokens=1)   # decode steps in micro-batches too
 
 
 @pytest.fixture(scope="module")

@@ -64,3 +64,12 @@ def test_one_micro_batch_when_padded_or_asked_or_a_single_sequence():
     whole = split_rows(_rows([7], [6]), 4)
     assert whole.whole and whole.query_start_loc == [0, 7] and whole.logits_indices == [6]
     assert len(split_rows(_rows([1, 1, 1], [0, 1, 2], 3), 8).batches) == 3
+
+
+def test_micro_batches_of_too_few_tokens_are_not_made():
+    decodes = _rows([1] * 16, list(range(16)), 16)
+    assert split_rows(decodes, 2, min_tokens=32).whole      # 16 tokens: one pass
+    assert len(split_rows(decodes, 2, min_tokens=8).batches) == 2
+    prompts = _rows([64, 64, 64], [63, 127, 191])
+    assert len(split_rows(prompts, 4, min_tokens=32).batches) == 3   # one per sequence
+    assert len(split_rows(prompts, 4, min_tokens=96).batches) == 2

@@ -57,6 +57,9 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--pipeline-micro-batches", type=int, default=None,
                    help="split a pipelined step's requests into up to this many micro-batches "
                         "so the stages overlap (default: --pipeline-parallel-size; 1: none)")
+    p.add_argument("--pipeline-micro-batch-tokens", type=int, default=None,
+                   help="split a pipelined step only into micro-batches of at least this many "
+                        "tokens on average (default 32: decodes of few requests stay whole)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="who starts the ranks: mp (local processes, or torchrun's) or ray "
                         "(Ray actors in a placement group; --ray-address names the cluster)")
@@ -91,7 +94,7 @@ def engine_options(a: argparse.Namespace) -> dict:
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
             "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
-            "distributed_executor_backend", "ray_address", "ray_placement_strategy",
+            "pipeline_micro_batch_tokens", "distributed_executor_backend", "ray_address", "ray_placement_strategy",
             "packed_activations", "async_scheduling", "enable_lora",
             "max_loras", "max_lora_rank", "max_cpu_loras")
     options = {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}

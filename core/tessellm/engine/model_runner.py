@@ -261,7 +261,8 @@ class ModelRunner:
         if tables:
             table = np.frombuffer(tables, dtype=np.int32).reshape(b.rows, b.width)
             self.staging.host_bufs["block_tables"].numpy()[:b.rows, :b.width] = table
-        split = split_rows(b, self.pipe.micro_batches if self.pipe is not None else 1)
+        split = split_rows(b, 1) if self.pipe is None else split_rows(
+            b, self.pipe.micro_batches, self.pipe.micro_batch_tokens)
         values = {
             "input_ids": b.token_ids, "positions": b.positions, "slot_mapping": b.slot_mapping,
             "block_tables": (b.rows, b.width), "seq_lens": b.seq_lens,

@@ -121,4 +121,4 @@ def stage_link(parts: EngineParts) -> StageLink | None:
                      parts.spec.vocab_size, parts.dtype,
                      torch.device(parts.device.torch_device_type),
                      c.pipeline_micro_batches or c.pipeline_parallel_size,
-                     c.distributed_timeout_s)
+                     c.pipeline_micro_batch_tokens, c.distributed_timeout_s)

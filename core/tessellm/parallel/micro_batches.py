@@ -20,7 +20,12 @@ rows, then the prompt logprobs' rows, as ModelRunner reads them.
 
 How many: `pipeline_micro_batches` (default P, the stages: with P micro-batches every stage
 has one to work on once the pipe is full; more only shrinks each stage's matrix products),
-never more than the step's sequences. 1 is the synchronous pipeline.
+never more than the step's sequences, and only as many as give each at least
+`pipeline_micro_batch_tokens` tokens on average (default 32): a micro-batch reads all of the
+stage's weights again, which a step of few tokens (decodes of few requests) pays for without
+enough compute to overlap. Measured on the CPU (110M Llama, PP=2, 1 thread per rank): 8
+prompts of 256 tokens 1.33x faster in 2 micro-batches, 16 decodes a step 10% slower.
+1 is the synchronous pipeline.
 """
 from __future__ import annotations
 
@@ -78,13 +83,14 @@ def cut_points(query_lens: list[int], count: int) -> list[int]:
     return cuts
 
 
-def split_rows(b: ForwardRows, count: int) -> MicroBatchSplit:
-    """`b` as up to `count` micro-batches (one when it is padded or has one sequence)."""
+def split_rows(b: ForwardRows, count: int, min_tokens: int = 1) -> MicroBatchSplit:
+    """`b` as up to `count` micro-batches of `min_tokens` tokens or more on average (one
+    when it is padded or has one sequence)."""
     n = len(b.query_lens)
     qsl = [0]
     for q in b.query_lens:
         qsl.append(qsl[-1] + q)
-    count = min(count, n) if b.pad is None else 1
+    count = min(count, n, qsl[-1] // min_tokens) if b.pad is None else 1
     if count <= 1:
         # every token row, padding rows outside every sequence included (a padded step)
         whole = MicroBatch(range(n), range(len(b.token_ids)), range(n + 1),

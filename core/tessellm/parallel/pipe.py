@@ -41,11 +41,12 @@ class StageLink:
     def __init__(self, group: dist.ProcessGroup, layout: RankLayout, rank: int,
                  hidden_size: int, vocab_size: int, dtype: torch.dtype,
                  device: torch.device, micro_batches: int = 1,
-                 timeout_s: float = 120.0) -> None:
+                 micro_batch_tokens: int = 1, timeout_s: float = 120.0) -> None:
         self.group, self.layout, self.rank = group, layout, rank
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.dtype, self.device = dtype, device
         self.micro_batches = micro_batches   # the most a step is split into
+        self.micro_batch_tokens = micro_batch_tokens   # ... each of this many tokens or more
         self.timeout = timedelta(seconds=timeout_s)
         stage = layout.stage_of(rank)
         self.prev = rank - layout.tp if stage > 0 else None
