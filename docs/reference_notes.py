@@ -63,8 +63,20 @@ ENGINE_NOTES = MappingProxyType({
                             "(see Tensor parallelism)",
     "pipeline_parallel_size": "stages the decoder layers are split into, each of "
                               "tensor_parallel_size ranks (see Tensor parallelism)",
+    "pipeline_micro_batches": "most micro-batches a pipelined step's requests are split "
+                              "into so the stages overlap (default: pipeline_parallel_size; "
+                              "1: the whole step through the stages in turn)",
+    "pipeline_micro_batch_tokens": "a pipelined step is split only into micro-batches of at "
+                                   "least this many tokens on average (each re-reads the "
+                                   "stage's weights; decodes of few requests stay whole)",
     "distributed_executor_backend": "who starts the ranks: mp (local processes, or a "
-                                    "launcher such as torchrun); ray is not built yet",
+                                    "launcher such as torchrun) or ray (Ray actors in a "
+                                    "placement group; see Tensor parallelism)",
+    "ray_address": "the Ray cluster to join (`auto`, `HOST:PORT`) for the ray backend's "
+                   "ranks and the server's data-parallel replicas; default: start a local one",
+    "ray_placement_strategy": "the ray backend's placement group: the worker ranks on as few "
+                              "nodes as hold them (`PACK`) or one per node as far as the nodes "
+                              "go (`SPREAD`)",
     "distributed_timeout_s": "a collective that waits longer fails (never hangs)",
     "load_progress": "show a progress bar while loading weights",
     "priority_levels": "priority classes of requests: 0 (most urgent) to priority_levels - 1",

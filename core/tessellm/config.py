@@ -71,11 +71,25 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     # Pipeline parallelism (tessellm.models.pipeline, tessellm.parallel.pipe): the decoder
     # layers split into this many contiguous stages, each of tensor_parallel_size ranks
-    # (ranks = TP x PP). A step's forward pass flows through the stages one after another.
+    # (ranks = TP x PP). A step's requests split into up to pipeline_micro_batches
+    # micro-batches (default: P) that flow through the stages in turn, so the stages overlap
+    # (tessellm.parallel.micro_batches); 1: the whole step passes the stages one after another.
+    # A step is split only into micro-batches of pipeline_micro_batch_tokens tokens or more
+    # on average (each re-reads the stage's weights: decodes of few requests stay whole).
     pipeline_parallel_size: int = Field(1, ge=1)
+    pipeline_micro_batches: int | None = Field(None, ge=1)
+    pipeline_micro_batch_tokens: int = Field(32, ge=1)
     # Who starts the ranks: "mp" (rank 0 starts local processes, or a launcher such as
-    # torchrun did). "ray" (Ray actors in a placement group) is not built yet.
+    # torchrun did) or "ray" (rank 0 starts them as Ray actors in a placement group on the
+    # cluster at ray_address, else on a local cluster it starts: tessellm.parallel.ray_workers).
     distributed_executor_backend: Literal["mp", "ray"] = "mp"
+    # The Ray cluster to join ("auto", "HOST:PORT", "ray://..."): for the ray backend's ranks,
+    # and for the server's data-parallel replicas. None: start a local cluster.
+    ray_address: str | None = Field(None, min_length=1)
+    # How the ray backend's placement group spreads the worker ranks' bundles: PACK (as few
+    # nodes as hold them: a stage's all-reduces stay local) or SPREAD (one per node as far as
+    # the nodes go: more memory and cores per rank).
+    ray_placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
     distributed_timeout_s: float = Field(120.0, gt=0)
     load_progress: bool = True
     # Scheduling (tessellm.scheduler): priorities 0 (most urgent) .. priority_levels - 1, aging
@@ -125,10 +139,6 @@ class EngineConfig(BaseModel):
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor_parallel_size > "
                              "1 yet (untested combination)")
-        if self.distributed_executor_backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not built yet: use 'mp' "
-                             "(rank 0 starts the ranks on this machine) or torchrun across "
-                             "machines")
         if self.pipeline_parallel_size > 1:
             for name, on in (("async_scheduling", self.async_scheduling),
                              ("speculative_config", self.speculative_config is not None),

@@ -13,11 +13,11 @@ from tessellm.parallel.group import ParallelGroupError
 
 
 def assert_killed_worker_fails_requests(llm, named: str) -> None:
-    """SIGKILL of the first worker process 1 s into generation: the open requests fail with a
+    """SIGKILL of the first worker process (a child process or a Ray actor) 1 s into generation: the open requests fail with a
     ParallelGroupError matching `named` within 30 s, none is left open, and the engine stays
     dead (the next request fails the same way)."""
-    worker = llm.engine.parts.parallel.workers.procs[0]
-    killer = threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL))
+    worker = llm.engine.parts.parallel.workers.pids[0]
+    killer = threading.Timer(1.0, os.kill, (worker, signal.SIGKILL))
     killer.start()
     t0 = time.monotonic()
     long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)

@@ -6,6 +6,7 @@ killed stage fails every open request with the stage named and the engine stays 
 configurations that cannot run are refused before any rank starts."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,11 @@ OPTIONS = dict(device="cpu", dtype="float32", num_threads=1, max_num_seqs=4, blo
 
 
 def _llm(path: Path, cache: Path, tp: int = 1, pp: int = 1, **extra) -> LLM:
+    """Pipelined steps split however few tokens they have, so every test's decode steps
+    run through micro-batches too."""
     return LLM(str(path), cache_dir=str(cache), tensor_parallel_size=tp,
-               pipeline_parallel_size=pp, **{**OPTIONS, **extra})
+               pipeline_parallel_size=pp, **{**OPTIONS, "pipeline_micro_batch_tokens": 1,
+                                             **extra})
 
 
 def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list:
@@ -49,6 +53,36 @@ def test_two_stages_equal_one_process(cache, want):
         assert two.engine.parts.parallel.layout.pp == 2
         assert len(two.engine.parts.kv_caches) == 3   # layers 0-2 of 5 on stage 0
         assert _tokens(two) == want
+        stats = two.engine.runner.pipe.stats   # 3 requests: steps of 2 micro-batches
+        assert stats.micro_batches == 2 * stats.steps
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_micro_batches_of_chunked_mixed_steps_with_prompt_logprobs_equal_one_process(
+        cache, micro_batches):
+    """Prompts chunked 24 tokens a step (decodes and prompt chunks in one step, chunks that
+    sample nothing) with prompt logprobs (logits rows of several micro-batches put back in
+    the step's order): the same tokens and logprobs as one process, through 1 (synchronous)
+    or 3 micro-batches."""
+    prompts = [[1, *range(20 + 9 * i, 30 + 13 * i)] for i in range(5)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    chunked = dict(max_num_batched_tokens=24, max_num_seqs=5)
+    results = []
+    for pp, extra in ((1, {}), (2, dict(pipeline_micro_batches=micro_batches))):
+        with _llm(STORIES_260K, cache, pp=pp, **chunked, **extra) as llm:
+            outs = llm.generate([list(p) for p in prompts], params)
+            results.append([(o.outputs[0].token_ids,
+                             [None if lp is None else (lp[0], round(lp[1], 4))
+                              for lp in _prompt_logprobs(o)]) for o in outs])
+            if pp == 2:
+                stats = llm.engine.runner.pipe.stats
+                assert (stats.micro_batches > stats.steps) == (micro_batches > 1)
+    assert results[0] == results[1]
+
+
+def _prompt_logprobs(out) -> list:
+    """(token, logprob) of each prompt position's own token (None for the first)."""
+    return [None if lp is None else (lp.token_id, lp.logprob) for lp in out.prompt_logprobs]
 
 
 @pytest.mark.parametrize("case", ["llama", "qwen3"])
@@ -115,8 +149,10 @@ def test_killing_a_stage_fails_every_open_request_and_the_engine_stays_dead(cach
     (dict(pipeline_parallel_size=2, speculative_config={"method": "ngram",
                                                         "num_speculative_tokens": 2}),
      ValidationError, "speculative_config is not supported with pipeline_parallel_size"),
-    (dict(pipeline_parallel_size=2, distributed_executor_backend="ray"), ValidationError,
-     "'ray' is not built yet"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batches=0), ValidationError,
+     "pipeline_micro_batches"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batch_tokens=0), ValidationError,
+     "pipeline_micro_batch_tokens"),
     (dict(pipeline_parallel_size=2, tensor_parallel_size=3), ConfigError,
      "tensor_parallel_size=3 cannot split"),
 ])
@@ -130,4 +166,21 @@ def test_configurations_that_cannot_run_are_refused_before_any_rank_starts(
     monkeypatch.setattr(launch.LocalWorkers, "spawn", no_workers)
     with pytest.raises(error, match=match):
         LLM(str(STORIES_260K), cache_dir=str(cache), **{**OPTIONS, **options})
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("launcher_env,match", [
+    ({}, r"distributed_executor_backend='ray' starts its ranks on Ray, which is not "
+         r"installed .*pip install 'tessellm\[ray\]'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "'ray' starts the ranks as Ray actors: run it without a launcher"),
+])
+def test_the_ray_backend_without_ray_or_under_a_launcher_is_refused(
+        launcher_env, match, cache, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` fails: nothing reaches Ray
+    for key, value in launcher_env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=match):
+        LLM(str(STORIES_260K), cache_dir=str(cache), pipeline_parallel_size=2,
+            distributed_executor_backend="ray", **OPTIONS)
     assert not dist.is_initialized()

@@ -54,9 +54,22 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
                    help="split the decoder layers into this many stages of "
                         "--tensor-parallel-size ranks each (ranks = TP x PP)")
+    p.add_argument("--pipeline-micro-batches", type=int, default=None,
+                   help="split a pipelined step's requests into up to this many micro-batches "
+                        "so the stages overlap (default: --pipeline-parallel-size; 1: none)")
+    p.add_argument("--pipeline-micro-batch-tokens", type=int, default=None,
+                   help="split a pipelined step only into micro-batches of at least this many "
+                        "tokens on average (default 32: decodes of few requests stay whole)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
-                   help="who starts the ranks: mp (local processes, or torchrun's); ray is "
-                        "not built yet")
+                   help="who starts the ranks: mp (local processes, or torchrun's) or ray "
+                        "(Ray actors in a placement group; --ray-address names the cluster)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to join (ray start's address, or 'auto') for "
+                        "--distributed-executor-backend ray or serve's -dp N (default: start "
+                        "a local one with the CPUs the ranks or replicas ask for)")
+    p.add_argument("--ray-placement-strategy", default=None, choices=["PACK", "SPREAD"],
+                   help="--distributed-executor-backend ray: the worker ranks on as few nodes "
+                        "as hold them (PACK, default) or one per node (SPREAD)")
     p.add_argument("--enable-lora", action="store_true", default=None,
                    help="serve LoRA adapters (PEFT) over the model (see --lora-modules)")
     p.add_argument("--max-loras", type=int, default=None,
@@ -80,7 +93,8 @@ def engine_options(a: argparse.Namespace) -> dict:
     keys = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "num_kv_blocks", "kernel_selection", "num_threads", "revision", "gguf_file",
             "quantization", "gpu_memory_utilization", "enforce_eager", "max_model_len",
-            "tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
+            "tensor_parallel_size", "pipeline_parallel_size", "pipeline_micro_batches",
+            "pipeline_micro_batch_tokens", "distributed_executor_backend", "ray_address", "ray_placement_strategy",
             "packed_activations", "async_scheduling", "enable_lora",
             "max_loras", "max_lora_rank", "max_cpu_loras")
     options = {k: getattr(a, k) for k in keys if getattr(a, k, None) is not None}
@@ -232,7 +246,7 @@ def serve_configs(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "header_timeout_s",
                     "body_timeout_s", "keepalive_timeout_s", "max_connections",
                     "tool_call_parser", "grpc_port", "otlp_traces_endpoint", "lora_modules",
-                    "allow_runtime_lora", "data_parallel_size", "ray_address", "dp_routing",
+                    "allow_runtime_lora", "data_parallel_size", "dp_routing",
                     "replica_max_restarts")
     overrides = {**engine_options(a), "model": a.model,
                  **{k: getattr(a, k) for k in server_flags}}
@@ -348,9 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="N engine-core replicas (each its own KV cache, --threads each) as Ray "
                         "actors behind this one server; needs tessellm[ray] (default 1: one "
                         "engine core process, no Ray)")
-    s.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="with -dp N: the Ray cluster to join (default: start a local one "
-                        "with N x --threads CPUs)")
     s.add_argument("--dp-routing", default=None, choices=["least-loaded", "prefix-aware"],
                    help="with -dp N: send each request to the replica with the fewest open "
                         "requests (default), or to the one whose prefix cache holds the "

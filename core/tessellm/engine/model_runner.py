@@ -30,8 +30,10 @@ slot (-1: base model; padding rows too) is staged and fed like the positions.
 Tensor parallelism: the leader sends each step's BlockOps and its forward rows with the block
 table (parallel.messages.Batch) to the other ranks, which replay them (`run_block_ops`,
 `run_rows`); a single device never builds those messages. Pipeline parallelism: `run_rows`
-runs the plan through the rank's StageLink (parallel.pipe): the hidden state comes from the
-previous stage and goes on to the next, and the leader gets the last stage's logits.
+splits the step into micro-batches of whole requests (parallel.micro_batches; each gets its
+own views of the uploaded inputs and its own AttentionMetadata, `_feeds`) and runs the plan
+on each through the rank's StageLink (parallel.pipe): the hidden state comes from the
+previous stage and goes on to the next, and the leader gets the logits in the step's order.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.lora.sites import LORA_SLOTS_FEED
 from tessellm.parallel.group import ControlChannel
 from tessellm.parallel.messages import Batch, BlockOps
+from tessellm.parallel.micro_batches import MicroBatch, split_rows
 from tessellm.parallel.pipe import StageLink
 from tessellm.request import Request
 from tessellm.sampling_params import SamplingParams
@@ -97,7 +100,9 @@ def _buffer_shapes(limits: RunnerLimits, overlap: bool,
     T, B, W = limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
     shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
               "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
-              "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
+              "seq_lens": ((B,), torch.int32),
+              # one more offset per micro-batch (pipeline stages: parallel.micro_batches)
+              "query_start_loc": ((2 * B,), torch.int32),
               "logits_indices": ((B + T,), torch.int64),   # + prompt logprobs' rows
               SAMPLE_ROWS: ((B,), torch.int64), SAMPLE_TABLE: ((4 * B,), torch.float32),
               "fresh_blocks": ((max_fresh_blocks(limits),), torch.int64)}
@@ -256,13 +261,12 @@ class ModelRunner:
         if tables:
             table = np.frombuffer(tables, dtype=np.int32).reshape(b.rows, b.width)
             self.staging.host_bufs["block_tables"].numpy()[:b.rows, :b.width] = table
-        qsl = [0]
-        for q in b.query_lens:
-            qsl.append(qsl[-1] + q)
+        split = split_rows(b, 1) if self.pipe is None else split_rows(
+            b, self.pipe.micro_batches, self.pipe.micro_batch_tokens)
         values = {
             "input_ids": b.token_ids, "positions": b.positions, "slot_mapping": b.slot_mapping,
-            "block_tables": (b.rows, b.width), "seq_lens": b.seq_lens, "query_start_loc": qsl,
-            "logits_indices": b.logits_indices}
+            "block_tables": (b.rows, b.width), "seq_lens": b.seq_lens,
+            "query_start_loc": split.query_start_loc, "logits_indices": split.logits_indices}
         if feed is not None:
             values.update(feed_rows=feed[0], feed_src=feed[1])
         if self.lora:
@@ -271,28 +275,40 @@ class ModelRunner:
         if feed is not None:   # compute stream, after the upload: the pending ids
             ids = self.staging.dev_bufs["input_ids"]
             ids.index_copy_(0, dev["feed_rows"], feed[2].index_select(0, dev["feed_src"]))
-        meta = AttentionMetadata(
-            num_decodes=b.num_decodes, num_prefills=len(b.query_lens) - b.num_decodes,
-            num_decode_tokens=b.num_decodes, num_prefill_tokens=len(b.token_ids) - b.num_decodes,
-            block_size=self.block_size, slot_mapping=dev["slot_mapping"],
-            block_tables=dev["block_tables"], seq_lens=dev["seq_lens"],
-            query_start_loc=dev["query_start_loc"], seq_lens_host=b.seq_lens,
-            query_lens_host=b.query_lens, max_seq_len=max(b.seq_lens),
-            max_query_len=max(b.query_lens))
-        feeds = dict(zip(STEP_FEEDS, (dev["input_ids"], dev["positions"], meta,
-                                      dev["logits_indices"])))
-        feeds.update({KV_CACHE_FEED.format(layer=i): c for i, c in enumerate(self.kv_caches)})
-        if self.lora:
-            feeds[LORA_SLOTS_FEED] = dev[LORA_SLOTS_FEED]
+        feeds = [self._feeds(b, dev, mb, split.whole) for mb in split.batches]
         if swapped_in is not None:
             self.blocks.swapper.wait_for_compute(swapped_in)
         pad = None if b.pad is None else self.shapes.step_padding(*b.pad)
         plan = self.shapes.plan_for(pad)
         if self.pipe is not None:
-            return self.pipe.run(plan.run, feeds, len(b.token_ids),
-                                 len(b.logits_indices)), uploaded
-        logits = plan.run(feeds)   # asynchronous device: enqueued only
+            return self.pipe.run(plan.run, feeds, split), uploaded
+        logits = plan.run(feeds[0])   # asynchronous device: enqueued only
         return logits, uploaded
+
+    def _feeds(self, b: ForwardRows, dev: dict[str, torch.Tensor], mb: MicroBatch,
+               whole: bool) -> dict[str, object]:
+        """A plan's feeds for the sequences and tokens of `mb` (the whole step's device
+        views, unsliced, when `whole`: a decode graph replays over those buffers)."""
+        def part(name: str, at: range) -> torch.Tensor:
+            return dev[name] if whole else dev[name][at.start:at.stop]
+
+        rows, tokens = mb.rows, mb.tokens
+        seq_lens_host = b.seq_lens[rows.start:rows.stop]
+        query_lens_host = b.query_lens[rows.start:rows.stop]
+        meta = AttentionMetadata(
+            num_decodes=mb.num_decodes, num_prefills=len(rows) - mb.num_decodes,
+            num_decode_tokens=mb.num_decodes, num_prefill_tokens=len(tokens) - mb.num_decodes,
+            block_size=self.block_size, slot_mapping=part("slot_mapping", tokens),
+            block_tables=part("block_tables", rows), seq_lens=part("seq_lens", rows),
+            query_start_loc=part("query_start_loc", mb.qsl), seq_lens_host=seq_lens_host,
+            query_lens_host=query_lens_host, max_seq_len=max(seq_lens_host),
+            max_query_len=max(query_lens_host))
+        feeds = dict(zip(STEP_FEEDS, (part("input_ids", tokens), part("positions", tokens),
+                                      meta, part("logits_indices", mb.logits))))
+        feeds.update({KV_CACHE_FEED.format(layer=i): c for i, c in enumerate(self.kv_caches)})
+        if self.lora:
+            feeds[LORA_SLOTS_FEED] = part(LORA_SLOTS_FEED, tokens)
+        return feeds
 
     def _sample(self, logits: torch.Tensor, sampled: list[Request],
                 pending_masks: PendingMasks | None = None, offsets: Sequence[int] = (),

@@ -116,6 +116,9 @@ def stage_link(parts: EngineParts) -> StageLink | None:
     group = parts.parallel
     if group is None or group.pipe_group is None:
         return None
+    c = parts.config
     return StageLink(group.pipe_group, group.layout, group.rank, parts.spec.hidden_size,
                      parts.spec.vocab_size, parts.dtype,
-                     torch.device(parts.device.torch_device_type))
+                     torch.device(parts.device.torch_device_type),
+                     c.pipeline_micro_batches or c.pipeline_parallel_size,
+                     c.pipeline_micro_batch_tokens, c.distributed_timeout_s)

@@ -106,14 +106,15 @@ class ControlChannel:
 @dataclass
 class ParallelGroup:
     """This process's place in the group; `channel` sends on rank 0 and receives elsewhere.
-    `workers` are the local worker processes rank 0 started (None under a launcher).
+    `workers` are the worker ranks rank 0 started, child processes or Ray actors (None
+    under a launcher).
     `layout`: tensor x pipeline ranks (set by connect_device from the engine config)."""
 
     rank: int
     world_size: int
     timeout_s: float
     channel: ControlChannel
-    workers: object | None = None     # tessellm.parallel.launch.LocalWorkers
+    workers: object | None = None     # tessellm.parallel.launch.WorkerRanks
     comm: TimedCommunicator | None = None
     stats: CollectiveStats = field(default_factory=CollectiveStats)
     layout: RankLayout = RankLayout()
@@ -170,8 +171,8 @@ class ParallelGroup:
             self._ready = True
 
     def check_alive(self, grace_s: float = 0.0) -> None:
-        """Raise ParallelGroupError if a local worker process has exited (or exits within
-        `grace_s`: after a failed step, to name the rank whose death failed it)."""
+        """Raise ParallelGroupError if a worker rank rank 0 started has exited (or exits
+        within `grace_s`: after a failed step, to name the rank whose death failed it)."""
         if self.workers is not None:
             self.workers.check(grace_s)
 

@@ -5,7 +5,8 @@ takes the engine config from rank 0, builds its shard of the model and its KV po
 its kernels, and then replays rank 0's device work in order until `Stop`: block operations
 and forward passes (the collectives inside them keep the ranks in step). It never schedules
 or samples. It exits when rank 0 is gone: the control channel's connection closes, and a
-worker rank 0 started also watches that its parent is alive.
+worker rank 0 started as a child process also watches that its parent is alive. A Ray actor
+(parallel.ray_workers) lives the same life through `run_rank`.
 """
 from __future__ import annotations
 
@@ -69,15 +70,26 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[rank "
-                        f"{os.environ.get('RANK', '?')}]: %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout_s = float(os.environ.get("TESSELLM_DISTRIBUTED_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    store = None
+    store_at = None
     if LEADER_PID_ENV in os.environ:   # started by rank 0 (LocalWorkers)
         _exit_with_leader(int(os.environ[LEADER_PID_ENV]))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=False, timeout=timedelta(seconds=timeout_s))
+        store_at = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return run_rank(rank, world, timeout_s, store_at)
+
+
+def run_rank(rank: int, world: int, timeout_s: float,
+             store_at: tuple[str, int] | None = None) -> int:
+    """One worker rank's life: join (rank 0's TCP store at `store_at`, noted as joined; else
+    the launcher's env://), take the config, replay rank 0's work until Stop. A failure
+    ends the process at once (os._exit: the other ranks see its connections close)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[rank "
+                        f"{rank}]: %(message)s")
+    store = None
+    if store_at is not None:
+        store = dist.TCPStore(store_at[0], store_at[1], world, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
         store.set(JOINED_KEY.format(rank=rank), "1")
     group = join(rank, world, timeout_s, store=store)
     try:

@@ -16,20 +16,24 @@ from tessellm.errors import ConfigError
 RAY_EXTRA_HINT = "install it with: pip install 'tessellm[ray]'"
 
 
-def import_ray() -> ModuleType:
-    """The ray module; ConfigError naming the extra when it is not installed."""
+REPLICAS = "--data-parallel-size > 1 runs its replicas on Ray"
+
+
+def import_ray(needed_by: str = REPLICAS) -> ModuleType:
+    """The ray module; ConfigError saying what needs it and naming the extra when it is not
+    installed."""
     try:
         import ray
     except ImportError as e:
-        raise ConfigError(f"--data-parallel-size > 1 runs its replicas on Ray, which is not "
-                          f"installed ({e}); {RAY_EXTRA_HINT}") from None
+        raise ConfigError(f"{needed_by}, which is not installed ({e}); "
+                          f"{RAY_EXTRA_HINT}") from None
     return ray
 
 
-def join_cluster(address: str | None, num_cpus: int) -> bool:
+def join_cluster(address: str | None, num_cpus: int, needed_by: str = REPLICAS) -> bool:
     """Connect to the cluster at `address`, or start a local one of `num_cpus` CPUs. Returns
     whether this call started Ray (the caller then owns it: `ray.shutdown()` at the end)."""
-    ray = import_ray()
+    ray = import_ray(needed_by)
     if ray.is_initialized():
         return False
     options = dict(include_dashboard=False, logging_level=logging.WARNING)

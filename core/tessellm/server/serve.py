@@ -106,7 +106,7 @@ async def start_replicas(core_config: EngineConfig, source: ModelSource, config:
     a replica that cannot start is an error here, before the server listens."""
     from tessellm.ray.cluster import import_ray
     from tessellm.ray.replica_set import ReplicaOptions, ReplicaSet, check_engine_config
-    options = ReplicaOptions(config.data_parallel_size, config.ray_address, config.dp_routing,
+    options = ReplicaOptions(config.data_parallel_size, core_config.ray_address, config.dp_routing,
                              config.replica_max_restarts)
     check_engine_config(core_config)
     import_ray()

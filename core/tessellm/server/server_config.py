@@ -70,8 +70,6 @@ class ServerConfig(BaseModel):
     data_parallel_size: int = Field(1, ge=1, description="engine cores (replicas, each with "
                                     "its own KV cache) behind this front end; more than 1 runs "
                                     "them as Ray actors (needs `tessellm[ray]`)")
-    ray_address: str | None = Field(None, min_length=1, description="with data_parallel_size "
-                                    "> 1: the Ray cluster to join (default: start a local one)")
     dp_routing: Literal["least-loaded", "prefix-aware"] = Field(
         "least-loaded", description="with data_parallel_size > 1: how a request's replica is "
         "chosen")
@@ -99,10 +97,8 @@ class ServerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _replica_options(self) -> ServerConfig:
-        if self.data_parallel_size == 1 and (self.ray_address is not None
-                                             or self.dp_routing != "least-loaded"):
-            raise ValueError("ray_address and dp_routing apply to replicas: they need "
-                             "data_parallel_size > 1")
+        if self.data_parallel_size == 1 and self.dp_routing != "least-loaded":
+            raise ValueError("dp_routing applies to replicas: it needs data_parallel_size > 1")
         return self
 
     @field_validator("api_key")
@@ -156,6 +152,10 @@ def build_configs(file_values: Mapping[str, Any] | None = None,
         server = ServerConfig(**{k: v for k, v in values.items() if k in server_keys})
     except ValidationError as e:
         raise ConfigError(f"invalid {source}: {_validation_message(e)}") from None
+    if (engine.ray_address is not None and server.data_parallel_size == 1
+            and engine.distributed_executor_backend != "ray"):
+        raise ConfigError(f"invalid {source}: ray_address applies to replicas "
+                          "(data_parallel_size > 1) or to distributed_executor_backend 'ray'")
     return engine, server
 
 
