@@ -16,17 +16,8 @@ import pytest
 import torch
 
 from hf_fixtures import CASES, build_hf_model, hf_greedy, save_model_dir
-from tessellm import LLM, SamplingParams
-from tessellm.models.spec import ModelSpec
-
-WINDOW, BLOCK = 8, 4
-
-
-def bound(n: int, lag: int = 0) -> int:
-    """The most blocks a sequence computing n tokens holds: ceil((W + n - 2) / bs) + 1, or
-    with async scheduling and a step of up to `lag` tokens in flight
-    ceil((max(W - 1, lag) + n - 1) / bs) + 1 (tessellm.cache.kv_manager)."""
-    return -(-(max(WINDOW - 1, lag) + n - 1) // BLOCK) + 1
+from tessellm import SamplingParams
+from window_fixtures import BLOCK, WINDOW, Recorder, bound, make, no_release  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -43,50 +34,6 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One kernel-profile cache for the module: kernels are ranked once."""
     return tmp_path_factory.mktemp("tessellm-cache")
-
-
-def make(path: Path, cache_dir: Path, **options: Any) -> LLM:
-    # the same step limits for every engine here: kernels are profiled once for them
-    opts = dict(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=24,
-                dtype="float32")
-    opts.update(options)
-    return LLM(model=str(path), device="cpu", load_progress=False, cache_dir=str(cache_dir),
-               **opts)
-
-
-class Recorder:
-    """Wraps the engine's scheduler: after every schedule(), the blocks each scheduled
-    request holds (checked against bound) and the blocks in use."""
-
-    def __init__(self, llm: LLM, lag: int = 0) -> None:
-        self.kv, sched = llm.engine.kv, llm.engine.scheduler
-        self.most_held = 0
-        self.most_in_use = 0
-        self.held_per_step: list[int] = []
-        schedule = sched.schedule
-
-        def recording():
-            out = schedule()
-            for s in out.scheduled:
-                held = self.kv.num_held_blocks(s.request.request_id)
-                self.most_held = max(self.most_held, held)
-                if self.kv.sliding_window:
-                    assert held <= bound(s.num_tokens, lag), (s.request.request_id, held)
-            if len(out.scheduled) == 1:
-                self.held_per_step.append(
-                    self.kv.num_held_blocks(out.scheduled[0].request.request_id))
-            self.most_in_use = max(self.most_in_use,
-                                   self.kv.num_blocks - self.kv.num_free_blocks)
-            return out
-        sched.schedule = recording
-
-
-@pytest.fixture
-def no_release(monkeypatch: pytest.MonkeyPatch):
-    """Engines built inside hold every block (as a hybrid model's do)."""
-    def off() -> None:
-        monkeypatch.setattr(ModelSpec, "all_layers_windowed", property(lambda self: False))
-    return off
 
 
 def test_long_generation_holds_the_window_and_matches_transformers(
