@@ -28,12 +28,8 @@ Copy-on-write (n > 1): `fork(parent, child)` gives the child the parent's table,
 shared (incref). A shared block is never written: when `allocate_slots` grows a table whose
 block at position num_computed_tokens (the first one written) is held by another table too,
 it takes a fresh block instead, records the (shared, fresh) pair for the model runner to copy
-(`take_block_copies()`, after zeroing) and drops its reference to the shared one. That
-reference is dropped only by `take_block_copies()` (until then the source is held for the
-copy, which reads it before the step): otherwise a preemption later in the same schedule()
-could free the source, hand it out as a fresh block and have it zeroed before the copy read
-it. The copy-on-write test counts table references only (a held source whose last table
-writes into it writes in place, after the copy has read it).
+(`take_block_copies()`, after zeroing) and drops its reference to the shared one, which is
+held for the copy until `take_block_copies()` (tessellm.cache.block_copies: why).
 
 Invariants: a block's reference count is the number of tables holding it, and it is in two
 tables only if it is a cached block shared through a hit or a block shared through a fork
@@ -68,43 +64,22 @@ layers above.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
+from tessellm.cache.block_copies import BlockCopies
 from tessellm.cache.block_pool import BlockPool
-from tessellm.cache.prefix_cache import BlockHash, extend_block_hashes
+from tessellm.cache.prefix_cache import BlockHash, check_hits, extend_block_hashes
+from tessellm.cache.sequence_state import KVCacheError, SequenceState
 from tessellm.cache.sliding_window import (max_held_blocks, new_table_split, num_blocks_for,
                                            num_dead_blocks)
-from tessellm.errors import ConfigError, TessellmError
+from tessellm.errors import ConfigError
 
-
-class KVCacheError(TessellmError, RuntimeError):
-    """The KV manager was asked for something outside a request's blocks."""
-
-
-class SequenceState(Protocol):
-    """What the KV manager reads from a request."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def cache_salt(self) -> str | None: ...
-
-    @property
-    def lora_int_id(self) -> int: ...   # 0: the base model; an adapter's KV is its own
-
-    def token_ids_slice(self, start: int, stop: int) -> list[int]: ...
+__all__ = ["KVCacheError", "KVCacheManager", "SequenceState"]
 
 
 class KVCacheManager:
     __slots__ = ("_pool", "_block_size", "_tables", "_fresh", "_caching", "_hashes",
-                 "_num_cached", "_copies", "_copy_holds", "_window", "_released", "_group")
+                 "_num_cached", "_copies", "_window", "_released", "_group")
 
     NULL_BLOCK = 0
 
@@ -133,8 +108,7 @@ class KVCacheManager:
         self._block_size = block_size
         self._tables: dict[str, list[int]] = {}
         self._fresh: list[int] = []
-        self._copies: list[tuple[int, int]] = []   # copy-on-write (source, destination)
-        self._copy_holds: dict[int, int] = {}       # source -> references kept for its copy
+        self._copies = BlockCopies()
         self._caching = bool(enable_prefix_caching)
         # Per request: hashes of its first full blocks (a prefix of the chain), and how many
         # leading blocks of its table are cached or were offered to the cache already.
@@ -144,9 +118,9 @@ class KVCacheManager:
         # Per windowed request: how many leading entries of its table are the null block.
         self._released: dict[str, int] = {}
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._caching
+    enable_prefix_caching = property(lambda self: self._caching)
+    block_size = property(lambda self: self._block_size)
+    pool = property(lambda self: self._pool)
 
     @property
     def sliding_window(self) -> int:
@@ -164,10 +138,6 @@ class KVCacheManager:
         return self._pool.num_blocks
 
     @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds, cached ones included (they are evicted when needed)."""
         return self._pool.num_free_blocks
@@ -176,10 +146,6 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of the pool's blocks in use, in [0, 1]."""
         return 1.0 - self._pool.num_free_blocks / self.num_blocks
-
-    @property
-    def pool(self) -> BlockPool:
-        return self._pool
 
     @property
     def groups(self) -> tuple[KVCacheManager, ...]:
@@ -207,13 +173,7 @@ class KVCacheManager:
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request's table holds (its null entries excluded)."""
-        return len(self._tables.get(request_id, ())) - self._released.get(request_id, 0)
-
-    def _new_table(self, request: SequenceState, num_new_tokens: int,
-                   hits: Sequence[int]) -> tuple[int, list[int], int]:
-        """(null entries, held hits, fresh blocks) of a new table (see `growth`)."""
-        start = request.num_computed_tokens + len(hits) * self._block_size
-        return new_table_split(self._window, self._block_size, start, num_new_tokens, hits)
+        return len(self.held_blocks(request_id))
 
     def get_computed_blocks(self, request: SequenceState) -> tuple[list[int], int]:
         """The cached blocks holding the longest run of full blocks at the start of the
@@ -269,10 +229,9 @@ class KVCacheManager:
         if cow:  # a new list: a table list only ever grows in place (see block_table_view)
             first = request.num_computed_tokens // self._block_size
             shared, private = table[first], new_blocks.pop()
-            self._copies.append((shared, private))
+            self._copies.record(shared, private)   # its reference is held until the copy
             table = self._tables[rid] = list(table)
             table[first] = private
-            self._copy_holds[shared] = self._copy_holds.get(shared, 0) + 1   # until the copy
         if table is None:
             self._tables[rid] = [self.NULL_BLOCK] * lead + held_hits + new_blocks
             # offered already: the hits, and with a window a resumed (swapped-in) request's
@@ -307,9 +266,11 @@ class KVCacheManager:
         rid = request.request_id
         table = self._tables.get(rid)
         if hits:
-            self._check_hits(request, table, hits)
-        if table is None:
-            lead, held_hits, missing = self._new_table(request, num_new_tokens, hits)
+            check_hits(self._pool, self._block_size, request, table is not None, hits)
+        if table is None:   # hits wholly out of the window are not held
+            start = request.num_computed_tokens + len(hits) * self._block_size
+            lead, held_hits, missing = new_table_split(self._window, self._block_size, start,
+                                                       num_new_tokens, hits)
             return None, lead, held_hits, missing, False
         if self._window:
             table = self._release_dead(rid, table, request.num_computed_tokens)
@@ -318,7 +279,7 @@ class KVCacheManager:
                       - held, 0)
         first = request.num_computed_tokens // self._block_size   # first block written
         cow = num_new_tokens > 0 and first < held and self._pool.ref_count(table[first]) \
-            - self._copy_holds.get(table[first], 0) > 1
+            - self._copies.extra_refs(table[first]) > 1
         return table, 0, [], missing, cow
 
     def _release_dead(self, rid: str, table: list[int], num_computed: int) -> list[int]:
@@ -387,11 +348,7 @@ class KVCacheManager:
         the destinations are among take_fresh_blocks() and must be copied after zeroing.
         Drops the references the sources were held by for their copies: call it once the
         step's allocations are done (Scheduler.schedule does), before the next step's."""
-        copies, self._copies = self._copies, []
-        if self._copy_holds:   # the sources' references, kept for the copies (see above)
-            holds, self._copy_holds = self._copy_holds, {}
-            self._pool.free([b for b, n in holds.items() for _ in range(n)])
-        return copies
+        return self._copies.take(self._pool)
 
     def take_fresh_blocks(self) -> list[int]:
         """Blocks taken from the free queue since the previous call (each once), for zeroing
@@ -447,19 +404,6 @@ class KVCacheManager:
                 f"positions {start}..{stop - 1} of request {request.request_id!r} are outside "
                 f"its {len(table)} block(s) of {bs} tokens")
         return [table[p // bs] * bs + p % bs for p in range(start, stop)]
-
-    def _check_hits(self, request: SequenceState, table: list[int] | None,
-                    hits: list[int]) -> None:
-        rid = request.request_id
-        if table is not None or request.num_computed_tokens != 0:
-            raise KVCacheError(f"request {rid!r} has blocks or computed tokens already; cached "
-                               f"blocks can only start a table")
-        if len(set(hits)) != len(hits) or any(self._pool.block_hash(b) is None for b in hits):
-            raise KVCacheError(f"computed blocks {hits} for request {rid!r} are not distinct "
-                               f"cached blocks")
-        if len(hits) * self._block_size >= request.num_tokens:
-            raise KVCacheError(f"computed blocks {hits} cover all {request.num_tokens} tokens "
-                               f"of request {rid!r}; the last one must be computed")
 
     def __repr__(self) -> str:
         return (f"KVCacheManager(num_blocks={self.num_blocks}, block_size={self._block_size}, "

@@ -27,7 +27,12 @@ import hashlib
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from tessellm.cache.sequence_state import KVCacheError, SequenceState
+
+if TYPE_CHECKING:   # block_pool imports this module
+    from tessellm.cache.block_pool import BlockPool
 
 BlockHash = bytes
 
@@ -53,6 +58,23 @@ def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     if not _NATIVE_LE:
         tokens.byteswap()
     return hashlib.sha256(parent + tokens.tobytes()).digest()
+
+
+def check_hits(pool: BlockPool, block_size: int, request: SequenceState, has_table: bool,
+               hits: list[int]) -> None:
+    """Raise KVCacheError unless `hits` can start the request's table: it has no blocks and
+    no computed tokens, they are distinct cached blocks of `pool`, and they leave its last
+    token to compute."""
+    rid = request.request_id
+    if has_table or request.num_computed_tokens != 0:
+        raise KVCacheError(f"request {rid!r} has blocks or computed tokens already; cached "
+                           f"blocks can only start a table")
+    if len(set(hits)) != len(hits) or any(pool.block_hash(b) is None for b in hits):
+        raise KVCacheError(f"computed blocks {hits} for request {rid!r} are not distinct "
+                           f"cached blocks")
+    if len(hits) * block_size >= request.num_tokens:
+        raise KVCacheError(f"computed blocks {hits} cover all {request.num_tokens} tokens "
+                           f"of request {rid!r}; the last one must be computed")
 
 
 def extend_block_hashes(hashes: list[BlockHash], num_full_blocks: int, block_size: int,
