@@ -273,11 +273,11 @@ class ModelRunner:
     def _fill_tables(self, request_ids: list[str], s: StepInputs, padded: int | None) -> int:
         """Every block-table group's rows into its host buffer (padded to `padded` rows of
         the full width with the null block); returns the width."""
-        width = None
-        for rows, name, tables in zip(self.table_rows, _group_names("block_tables",
-                                                                    len(self.table_rows)),
-                                      [s.block_tables, *s.group_tables] + [[]] * (
-                                          len(self.table_rows) - 1 - len(s.group_tables))):
+        width, groups = None, len(self.table_rows)
+        by_group = [s.block_tables, *s.group_tables]
+        by_group += [[]] * (groups - len(by_group))   # a step of padding rows alone
+        for rows, name, tables in zip(self.table_rows, _group_names("block_tables", groups),
+                                      by_group):
             buf = self.staging.host_bufs[name].numpy()
             width = rows.fill(buf, request_ids, tables,
                               width=rows.width if padded is not None else width)
