@@ -127,6 +127,26 @@ def test_no_group_evicts_another_groups_hit() -> None:
     _check_refs(kv, ["r2"])
 
 
+def test_a_hit_out_of_the_window_may_be_evicted_by_another_groups_allocation() -> None:
+    """r2 hits r1's 5 blocks in both groups; the windowed group holds only its last 2 (the
+    first 3 are out of the window), which r1 released first: they head the free queue, so
+    the full group's fresh block evicts one. The windowed group's table never needed it."""
+    kv = KVCacheGroups(10, 4, (0, 8))
+    prompt = list(range(1, 21))
+    r1 = _req("r1", prompt)
+    for _ in range(5):
+        _step(kv, r1, 4)
+    kv.free(r1)
+    r2 = _req("r2", prompt + [99])
+    hits, tokens = kv.get_computed_blocks(r2)
+    assert tokens == 20
+    assert kv.allocate_slots(r2, 1, hits)
+    windowed = kv.groups[1].block_table("r2")
+    assert windowed[:3] == [NULL] * 3 and windowed[3:5] == hits[8:10]
+    assert kv.pool.block_hash(hits[5]) is None   # evicted: the full group's fresh block
+    _check_refs(kv, ["r2"])
+
+
 def test_a_hit_is_the_longest_run_cached_in_every_group() -> None:
     """A long request's early blocks leave the windowed group first (released out of the
     window, so first in the LRU): once another request evicts them, the full group's cached

@@ -265,10 +265,11 @@ class KVCacheManager:
             raise KVCacheError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         rid = request.request_id
         table = self._tables.get(rid)
+        start = request.num_computed_tokens + len(hits) * self._block_size
         if hits:
-            check_hits(self._pool, self._block_size, request, table is not None, hits)
+            check_hits(self._pool, self._block_size, request, table is not None, hits,
+                       self.num_dead_blocks(start))
         if table is None:   # hits wholly out of the window are not held
-            start = request.num_computed_tokens + len(hits) * self._block_size
             lead, held_hits, missing = new_table_split(self._window, self._block_size, start,
                                                        num_new_tokens, hits)
             return None, lead, held_hits, missing, False

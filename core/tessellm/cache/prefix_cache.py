@@ -61,15 +61,16 @@ def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
 
 
 def check_hits(pool: BlockPool, block_size: int, request: SequenceState, has_table: bool,
-               hits: list[int]) -> None:
+               hits: list[int], num_dead: int = 0) -> None:
     """Raise KVCacheError unless `hits` can start the request's table: it has no blocks and
-    no computed tokens, they are distinct cached blocks of `pool`, and they leave its last
-    token to compute."""
+    no computed tokens, they are distinct blocks of `pool`, cached but for the first
+    `num_dead` (out of a window, never held: another block-table group's allocation may
+    have evicted them since), and they leave its last token to compute."""
     rid = request.request_id
     if has_table or request.num_computed_tokens != 0:
         raise KVCacheError(f"request {rid!r} has blocks or computed tokens already; cached "
                            f"blocks can only start a table")
-    if len(set(hits)) != len(hits) or any(pool.block_hash(b) is None for b in hits):
+    if len(set(hits)) != len(hits) or any(pool.block_hash(b) is None for b in hits[num_dead:]):
         raise KVCacheError(f"computed blocks {hits} for request {rid!r} are not distinct "
                            f"cached blocks")
     if len(hits) * block_size >= request.num_tokens:

@@ -242,7 +242,8 @@ class BatchScheduler:
             held = Counter(b for t in evicted for b in self.kv.held_blocks(t.request_id))
             freed = {b for b, c in held.items() if pool.ref_count(b) == c}
         # computed tokens: none, or those a swapped-out request kept (it has no hits then);
-        # with a sliding window only the blocks inside it (tessellm.cache.kv_manager)
+        # with a sliding window only the blocks inside it (tessellm.cache.sliding_window);
+        # every block-table group's (tessellm.cache.kv_groups: one pool, global block ids)
         held_hits, missing = self.kv.growth(request, n, hits)
         revived = sum(1 for b in held_hits if b in freed or pool.ref_count(b) == 0)
         return missing + revived <= self.kv.num_free_blocks + len(freed)
