@@ -6,8 +6,8 @@ Generating far past the window, each windowed group's table holds at most the wi
 while the full group's grows with the context (read from the engine's KV manager after every
 schedule), and the greedy tokens equal transformers' and an engine's without groups (one
 table for every layer, holding every block). Concurrent requests under a small pool
-(preemption by recompute and by swap), prefix-cache hits after a first run, n > 1 and
-ngram speculation change no token, and every block is free at the end."""
+(preemption by recompute and by swap), prefix-cache hits after a first run, n > 1, async
+scheduling and ngram speculation change no token, and every block is free at the end."""
 from __future__ import annotations
 
 import random
@@ -81,9 +81,10 @@ def test_windowed_groups_stay_bounded_and_tokens_match_transformers(
 ALONE: list[list[int]] = []   # the greedy tokens of each prompt alone, without groups
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode, async_scheduling", [
+    ("recompute", False), ("swap", False), ("recompute", True)])
 def test_concurrent_preempted_forked_and_cached_requests_match_alone(
-        gemma2, cache_dir: Path, no_release, mode: str) -> None:
+        gemma2, cache_dir: Path, no_release, mode: str, async_scheduling: bool) -> None:
     """Eight requests, three of them sharing a 20-token prefix (prefix-cache hits after the
     first ran alone), one of them n = 2, 30..40 new tokens each, all at once in a pool of 48
     blocks (the longest alone needs 19 full blocks and 2 x 13 windowed ones): preemption
@@ -99,8 +100,9 @@ def test_concurrent_preempted_forked_and_cached_requests_match_alone(
               for _ in prompts]
 
     llm = make(path, cache_dir, num_kv_blocks=48, preemption_mode=mode,
-               num_host_kv_blocks=96 if mode == "swap" else None)
-    rec = Recorder(llm)
+               num_host_kv_blocks=96 if mode == "swap" else None,
+               async_scheduling=async_scheduling)
+    rec = Recorder(llm, 24 if async_scheduling else 0)
     first = llm.generate([prompts[0]], params[0])[0].token_ids   # fills the prefix cache
     outs = llm.generate(prompts[1:], params[1:], n=None)
     forked = llm.generate([prompts[4]], params[4], n=2)[0]
