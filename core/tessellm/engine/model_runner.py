@@ -51,7 +51,7 @@ import torch
 from tessellm.cache.kv_groups import KVCache, KVCacheLayout
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import DevicePlugin, Event, StaticShapes
-from tessellm.engine.block_table_rows import BlockTableRows
+from tessellm.engine.block_table_rows import GroupTableRows, group_names
 from tessellm.engine.block_work import BlockWork
 from tessellm.engine.input_staging import InputStaging
 from tessellm.engine.step_inputs import (ForwardRows, LaunchedStep, StepInputs, StepPadding,
@@ -103,9 +103,9 @@ def _buffer_shapes(limits: RunnerLimits, overlap: bool, token_masks: StepMasks |
                    staged_masks: bool, lora: bool, num_groups: int) -> dict:
     T, B, W = limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
     shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
-              **{name: ((T,), torch.int64) for name in _group_names("slot_mapping",
+              **{name: ((T,), torch.int64) for name in group_names("slot_mapping",
                                                                      num_groups)},
-              **{name: ((B, W), torch.int32) for name in _group_names("block_tables",
+              **{name: ((B, W), torch.int32) for name in group_names("block_tables",
                                                                      num_groups)},
               "seq_lens": ((B,), torch.int32), "query_start_loc": ((B + 1,), torch.int32),
               "logits_indices": ((B + T,), torch.int64),   # + prompt logprobs' rows
@@ -118,11 +118,6 @@ def _buffer_shapes(limits: RunnerLimits, overlap: bool, token_masks: StepMasks |
     if lora:
         shapes[LORA_SLOTS_FEED] = ((T,), torch.int64)
     return shapes
-
-
-def _group_names(name: str, num_groups: int) -> list[str]:
-    """A per-group buffer's names: `name` for the first block-table group, then name_<g>."""
-    return [name] + [f"{name}_{g}" for g in range(1, num_groups)]
 
 
 def max_fresh_blocks(limits: RunnerLimits) -> int:
@@ -171,8 +166,8 @@ class ModelRunner:
             static_shapes is not None, max_fresh_blocks(limits),
             (lambda ids: self.staging.stage_small("fresh_blocks", ids)) if self._stages
             else None)
-        self.table_rows = [BlockTableRows(limits.max_blocks_per_seq, limits.max_num_seqs)
-                           for _ in range(groups)]
+        self.table_rows = GroupTableRows(limits.max_blocks_per_seq, limits.max_num_seqs,
+                                         groups)
         self.shapes = StepShapes(device, plan, limits.max_blocks_per_seq,
                                  sorted(g for g in graph_sizes
                                         if 1 <= g <= limits.max_num_seqs), static_shapes)
@@ -224,7 +219,7 @@ class ModelRunner:
         rows = self._stage(s, request_ids, pad)
         if self.followers is not None:
             tables = [self.staging.host_bufs[name].numpy()[:rows.rows, :rows.width].tobytes()
-                      for name in _group_names("block_tables", len(self.table_rows))]
+                      for name in self.table_rows.names]
             self.followers.send(Batch.of(rows, tables[0], tables[1:]))
         feed = None
         if s.pending_rows:
@@ -245,12 +240,12 @@ class ModelRunner:
         seq_lens, query_lens = s.seq_lens, s.query_lens
         logits_idx = s.all_logits_indices or [0]
         num_decodes = s.num_decodes
-        group_slots = s.group_slots or [[]] * (len(self.table_rows) - 1)   # padding alone
-        if pad is None:
-            width = self._fill_tables(request_ids, s, None)
-            rows = n
-        else:
-            width = self._fill_tables(request_ids, s, pad.num_seqs)
+        group_slots = s.group_slots or [[]] * (len(self.table_rows.names) - 1)  # padding alone
+        width = self.table_rows.fill(self.staging.host_bufs, request_ids,
+                                     [s.block_tables, *s.group_tables],
+                                     None if pad is None else pad.num_seqs)
+        rows = n
+        if pad is not None:
             rows = pad.num_seqs
             extra_tokens, extra_seqs = pad.num_tokens - len(ids), pad.num_seqs - n
             ids, pos = ids + [0] * extra_tokens, pos + [0] * extra_tokens
@@ -270,21 +265,6 @@ class ModelRunner:
                                                              pad.decode), lora_slots,
                            group_slots)
 
-    def _fill_tables(self, request_ids: list[str], s: StepInputs, padded: int | None) -> int:
-        """Every block-table group's rows into its host buffer (padded to `padded` rows of
-        the full width with the null block); returns the width."""
-        width, groups = None, len(self.table_rows)
-        by_group = [s.block_tables, *s.group_tables]
-        by_group += [[]] * (groups - len(by_group))   # a step of padding rows alone
-        for rows, name, tables in zip(self.table_rows, _group_names("block_tables", groups),
-                                      by_group):
-            buf = self.staging.host_bufs[name].numpy()
-            width = rows.fill(buf, request_ids, tables,
-                              width=rows.width if padded is not None else width)
-            if padded is not None:
-                buf[len(tables):padded] = 0
-        return width
-
     def run_rows(self, b: ForwardRows, swapped_in: Event | None,
                  feed: tuple[list[int], list[int], torch.Tensor] | None = None,
                  tables: Sequence[bytes] = ()) -> tuple[torch.Tensor, Event]:
@@ -293,7 +273,7 @@ class ModelRunner:
         group (a follower's; the leader filled its host buffers in `_stage`). `feed` =
         (token rows, rows of the source, source ids on the device): those input ids are
         overwritten on the device after the upload (pending tokens)."""
-        table_names = _group_names("block_tables", len(self.table_rows))
+        table_names = self.table_rows.names
         for name, table in zip(table_names, tables):
             self.staging.host_bufs[name].numpy()[:b.rows, :b.width] = np.frombuffer(
                 table, dtype=np.int32).reshape(b.rows, b.width)
@@ -304,7 +284,7 @@ class ModelRunner:
             "input_ids": b.token_ids, "positions": b.positions, "slot_mapping": b.slot_mapping,
             "seq_lens": b.seq_lens, "query_start_loc": qsl, "logits_indices": b.logits_indices,
             **{name: (b.rows, b.width) for name in table_names},
-            **dict(zip(_group_names("slot_mapping", len(self.table_rows))[1:], b.group_slots))}
+            **dict(zip(group_names("slot_mapping", len(table_names))[1:], b.group_slots))}
         if feed is not None:
             values.update(feed_rows=feed[0], feed_src=feed[1])
         if self.lora:
@@ -326,7 +306,7 @@ class ModelRunner:
         if self._group_feeds:
             metas = [meta] + [replace(meta, slot_mapping=dev[f"slot_mapping_{g}"],
                                       block_tables=dev[f"block_tables_{g}"])
-                              for g in range(1, len(self.table_rows))]
+                              for g in range(1, len(self.table_rows.names))]
             feeds.update({name: metas[g] for name, g in self._group_feeds})
         feeds.update({KV_CACHE_FEED.format(layer=i): self.kv_caches[t]
                       for i, t in enumerate(self.layout.layer_tensors)})
