@@ -37,7 +37,7 @@ tables only if it is a cached block shared through a hit or a block shared throu
 its hash names and is never written again (it is cached only once all its positions are
 computed, and only positions >= num_computed_tokens are written); a table only grows, by
 exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until `free` returns
-it whole (with a window, its leading entries turn null as described above, never back);
+it whole (with a window, its leading entries turn null as described below, never back);
 allocation is all-or-nothing.
 
 Sliding window (`sliding_window` W > 0: a query at position p reads only the keys at
@@ -212,8 +212,8 @@ class KVCacheManager:
         Returns False, changing nothing (but the release of blocks out of the window, which
         no query reads any more), when the free queue is too short (hits that sit in the free
         queue count against it too); the scheduler then preempts or waits.
-        With a window, a grown table first releases its dead blocks (see the module
-        docstring); a new one holds only the hits inside the window.
+        With a window, a grown table first releases its dead blocks
+        (tessellm.cache.sliding_window); a new one holds only the hits inside the window.
         """
         hits = list(computed_blocks)
         table, lead, held_hits, missing, cow = self._growth(request, num_new_tokens, hits)
