@@ -44,6 +44,8 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
     enable_prefix_caching: bool = True
+    # blocks of the one KV pool; a hybrid sliding-window model's block-table groups share it,
+    # a block holding block_size tokens of a group's layers (tessellm.cache.kv_groups)
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
     # Devices that size the KV pool from measured memory (cuda): after the weights are loaded

@@ -65,7 +65,7 @@ from dataclasses import replace
 from typing import Iterable, Sequence
 
 from tessellm.cache.host_pool import SwapSpace, SwapStats
-from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.cache.kv_groups import KVCache
 from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.errors import InvalidRequestError
 from tessellm.request import FinishReason, Request, RequestStatus
@@ -83,12 +83,13 @@ __all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerError",
            "SchedulerOutput", "SLAConfig"]
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCache) -> None:
         self.config = config
         self.kv = kv
         self._prefix_stats = PrefixCacheStats()
         self._requests = RequestScheduler(config.priority_levels, config.aging_interval_steps,
-                                          config.max_model_len, kv)
+                                          config.max_model_len, kv,
+                                          config.max_num_batched_tokens)
         self._swap = SwapSpace(kv, config.num_host_blocks) \
             if config.preemption_mode == "swap" else None
         self._batch = BatchScheduler(kv, self._requests,

@@ -107,7 +107,7 @@ def test_released_blocks_stay_cached_and_a_hit_holds_only_its_window() -> None:
     b = _req("b", 26)
     hits, n_hit = kv.get_computed_blocks(b)
     assert n_hit == 24 and len(hits) == 6
-    assert kv.new_table_plan(b, 2, hits) == (hits[4:], 1)
+    assert kv.growth(b, 2, hits) == (hits[4:], 1)
     free_before = kv.num_free_blocks
     assert kv.allocate_slots(b, 2, hits)
     table = kv.block_table("b")

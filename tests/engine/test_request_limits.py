@@ -53,6 +53,23 @@ def test_prompt_length_and_kv_fit() -> None:
         check(capped, 17, 100)
 
 
+def test_windowed_groups_need_only_their_window_bound() -> None:
+    """A windowed block-table group needs at most ceil((max(W - 1, T) + T - 1) / bs) + 1
+    blocks (T the step's tokens), a full group the whole context; max_model_len still rules."""
+    def windowed(windows: tuple[int, ...], blocks: int) -> RequestLimits:
+        return RequestLimits(3, 100, 200, 4, blocks, kv_windows=windows, step_tokens=4)
+    # 100 KV tokens: 25 blocks whole; a window of 8 with steps of 4: ceil(10 / 4) + 1 = 4
+    check(windowed((8,), 4), 60, 41)
+    with pytest.raises(InvalidRequestError, match="needs 4 KV blocks but the pool has 3"):
+        check(windowed((8,), 3), 60, 41)
+    check(windowed((0, 8, 8), 33), 60, 41)     # 25 + 4 + 4: hybrid, two windowed groups
+    with pytest.raises(InvalidRequestError, match="needs 33 KV blocks but the pool has 32"):
+        check(windowed((0, 8, 8), 32), 60, 41)
+    check(windowed((8,), 2), 3, 2)             # a short context: its own 2 blocks
+    with pytest.raises(InvalidRequestError, match="context is 200"):
+        check(windowed((8,), 100), 200, 4)
+
+
 def test_max_kv_tokens() -> None:
     assert max_kv_tokens(10, 7, 256) == 16         # the last sampled token is never computed
     assert max_kv_tokens(15, 100, 17) == 16        # it stops at max_model_len tokens

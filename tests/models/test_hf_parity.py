@@ -27,6 +27,7 @@ from hf_fixtures import (DYNAMIC_ROPE_CASE, CASES, GPT2_GGUF, STORIES_260K, buil
                          gpt2_tokenizer_from_gguf, hf_greedy, save_model_dir)
 from logits_probe import prefill_logits_and_token
 from tessellm import LLM, SamplingParams
+from tessellm.cache.sliding_window import max_held_blocks
 
 PROMPTS = (
     "Hello, my name is",
@@ -328,7 +329,9 @@ def test_continuous_batching_with_preemption_matches_alone(
     """24 prompts through a 60-block pool (4 tokens a block, 32 tokens a step, 8 sequences):
     prefills are chunked and running requests are preempted and recomputed, yet every output
     equals what the prompt gets alone in an unconstrained engine. The windowed cases: prompt
-    chunks start inside and past a window of 8 (blocks of 4 tokens). On XLA, where every new
+    chunks start inside and past a window of 8 (blocks of 4 tokens); the hybrid ones (gemma:
+    block-table groups) get what their windowed groups hold besides (17 blocks each for the
+    longest prompt). On XLA, where every new
     step shape compiles (about a minute per case), the llama case stands for the others."""
     if TEST_DEVICE == "xla" and name != "llama":
         pytest.skip("XLA: the llama case only (each case compiles its step shapes anew)")
@@ -343,12 +346,14 @@ def test_continuous_batching_with_preemption_matches_alone(
     alone_llm = model.llm("float32", cache_dir)
     alone = [alone_llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
 
-    tight = make_llm(model.path, cache_dir, dtype="float32", block_size=4, num_kv_blocks=60,
-                     max_num_batched_tokens=32, max_num_seqs=8)
+    groups = alone_llm.engine.kv.groups
+    extra = sum(max_held_blocks(m.sliding_window, 4, 140, 32) for m in groups[1:])
+    tight = make_llm(model.path, cache_dir, dtype="float32", block_size=4,
+                     num_kv_blocks=60 + extra, max_num_batched_tokens=32, max_num_seqs=8)
     outs = tight.generate(prompts, params)
     assert [o.token_ids for o in outs] == alone
     assert [len(o.token_ids) for o in outs] == [sp.max_tokens for sp in params]
-    if tight.engine.kv.sliding_window:   # blocks out of the window released: no shortage
+    if groups[0].sliding_window:   # every layer's blocks out of the window released: no shortage
         assert name == "mistral_window" and tight.engine.stats.num_preemptions == 0
     else:   # (windowed preemption: tests/models/test_sliding_window_engine.py)
         assert tight.engine.stats.num_preemptions > 0

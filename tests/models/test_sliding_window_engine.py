@@ -5,7 +5,8 @@ overlap (read from the engine's KV manager after every schedule), and the greedy
 transformers' and an engine's that holds every block (the release switched off). Concurrent
 requests under a small pool (preemption by recompute and by swap, chunked prefill), n > 1
 (copy-on-write forks), prefix-cache hits on blocks released by an earlier request, and async
-scheduling change no token, and every block is free at the end."""
+scheduling change no token, and every block is free at the end. A request whose whole
+context exceeds the pool runs within its window's bound."""
 from __future__ import annotations
 
 import random
@@ -16,17 +17,8 @@ import pytest
 import torch
 
 from hf_fixtures import CASES, build_hf_model, hf_greedy, save_model_dir
-from tessellm import LLM, SamplingParams
-from tessellm.models.spec import ModelSpec
-
-WINDOW, BLOCK = 8, 4
-
-
-def bound(n: int, lag: int = 0) -> int:
-    """The most blocks a sequence computing n tokens holds: ceil((W + n - 2) / bs) + 1, or
-    with async scheduling and a step of up to `lag` tokens in flight
-    ceil((max(W - 1, lag) + n - 1) / bs) + 1 (tessellm.cache.kv_manager)."""
-    return -(-(max(WINDOW - 1, lag) + n - 1) // BLOCK) + 1
+from tessellm import SamplingParams
+from window_fixtures import BLOCK, WINDOW, Recorder, bound, make, no_release  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -45,50 +37,6 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tessellm-cache")
 
 
-def make(path: Path, cache_dir: Path, **options: Any) -> LLM:
-    # the same step limits for every engine here: kernels are profiled once for them
-    opts = dict(block_size=BLOCK, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=24,
-                dtype="float32")
-    opts.update(options)
-    return LLM(model=str(path), device="cpu", load_progress=False, cache_dir=str(cache_dir),
-               **opts)
-
-
-class Recorder:
-    """Wraps the engine's scheduler: after every schedule(), the blocks each scheduled
-    request holds (checked against bound) and the blocks in use."""
-
-    def __init__(self, llm: LLM, lag: int = 0) -> None:
-        self.kv, sched = llm.engine.kv, llm.engine.scheduler
-        self.most_held = 0
-        self.most_in_use = 0
-        self.held_per_step: list[int] = []
-        schedule = sched.schedule
-
-        def recording():
-            out = schedule()
-            for s in out.scheduled:
-                held = self.kv.num_held_blocks(s.request.request_id)
-                self.most_held = max(self.most_held, held)
-                if self.kv.sliding_window:
-                    assert held <= bound(s.num_tokens, lag), (s.request.request_id, held)
-            if len(out.scheduled) == 1:
-                self.held_per_step.append(
-                    self.kv.num_held_blocks(out.scheduled[0].request.request_id))
-            self.most_in_use = max(self.most_in_use,
-                                   self.kv.num_blocks - self.kv.num_free_blocks)
-            return out
-        sched.schedule = recording
-
-
-@pytest.fixture
-def no_release(monkeypatch: pytest.MonkeyPatch):
-    """Engines built inside hold every block (as a hybrid model's do)."""
-    def off() -> None:
-        monkeypatch.setattr(ModelSpec, "all_layers_windowed", property(lambda self: False))
-    return off
-
-
 def test_long_generation_holds_the_window_and_matches_transformers(
         case, cache_dir: Path, no_release) -> None:
     hf, path = case
@@ -99,7 +47,9 @@ def test_long_generation_holds_the_window_and_matches_transformers(
     want = hf_greedy(hf, prompt, 90)
     assert len(set(want)) >= 4
 
-    llm = make(path, cache_dir)   # the prompt in chunks of 24 and 6
+    # the prompt in chunks of 24 and 6; the pool holds 64 of the 120 tokens, but a request
+    # needs only the window's bound for steps of 24 (ceil(46 / 4) + 1 = 13 blocks) to run
+    llm = make(path, cache_dir, num_kv_blocks=16)
     assert llm.engine.kv.sliding_window == WINDOW
     rec = Recorder(llm)
     free0 = llm.engine.kv.num_free_blocks

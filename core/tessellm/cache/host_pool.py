@@ -18,8 +18,9 @@ before the step's compute.
 Invariants (tests check them after random operation sequences):
   * a host block is either free or in exactly one swapped-out request's host table;
   * num_free_blocks + sum(len(host table)) + len(released this step) == num_blocks;
-  * a swapped-out request holds no device blocks; its host table has exactly
-    ceil(num_computed_tokens / block_size) - kv.num_dead_blocks(num_computed_tokens) blocks
+  * a swapped-out request holds no device blocks; its host table has, for each block-table
+    group in turn (one but for hybrid models, tessellm.cache.kv_groups), exactly
+    ceil(num_computed_tokens / block_size) - num_dead_blocks(num_computed_tokens) blocks
     (with a sliding window only the blocks inside it: those it resumes with), in token order.
 When the host pool is short, `swap_out` returns False and the scheduler falls back to
 recompute for that victim (counted in `SwapStats.fallbacks`): a policy, not a failure.
@@ -30,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tessellm.cache.block_pool import BlockPoolError
+from tessellm.cache.kv_groups import KVCache
 from tessellm.cache.kv_manager import KVCacheError, KVCacheManager, SequenceState
 from tessellm.errors import ConfigError
 
@@ -92,7 +94,7 @@ class SwapStats:
 class SwapSpace:
     __slots__ = ("kv", "pool", "stats", "_tables", "_out", "_in", "_released")
 
-    def __init__(self, kv: KVCacheManager, num_host_blocks: int) -> None:
+    def __init__(self, kv: KVCache, num_host_blocks: int) -> None:
         self.kv = kv
         self.pool = HostBlockPool(num_host_blocks)
         self.stats = SwapStats()
@@ -116,22 +118,25 @@ class SwapSpace:
         False (nothing changed) when it has nothing computed or the host pool is short (a
         fallback is counted for the latter): the caller preempts it by recompute then."""
         rid = request.request_id
-        n = self.kv.num_blocks_needed(request.num_computed_tokens)
-        if n == 0:
+        computed = request.num_computed_tokens
+        if computed == 0:
             return False
-        first = self.kv.num_dead_blocks(request.num_computed_tokens)
-        table = self.kv.block_table(rid)
-        if len(table) < n or KVCacheManager.NULL_BLOCK in table[first:n]:
-            raise KVCacheError(f"request {rid!r} has {request.num_computed_tokens} computed "
-                               f"tokens but not the blocks {first}..{n - 1} ({table})")
-        host = self.pool.allocate(n - first)
+        device: list[int] = []
+        for m in self.kv.groups:
+            n, first = m.num_blocks_needed(computed), m.num_dead_blocks(computed)
+            table = m.block_table(rid)
+            if len(table) < n or KVCacheManager.NULL_BLOCK in table[first:n]:
+                raise KVCacheError(f"request {rid!r} has {computed} computed tokens but not "
+                                   f"the blocks {first}..{n - 1} ({table})")
+            device += table[first:n]
+        host = self.pool.allocate(len(device))
         if host is None:
             self.stats.fallbacks += 1
             return False
-        self._out.extend(zip(table[first:n], host))
+        self._out.extend(zip(device, host))
         self._tables[rid] = host
         self.kv.free(request)
-        self.stats.blocks_out += n - first
+        self.stats.blocks_out += len(host)
         self.stats.swap_outs += 1
         return True
 
@@ -141,8 +146,9 @@ class SwapSpace:
         end_step()."""
         rid = request.request_id
         host = self._tables.pop(rid)
-        first = self.kv.num_dead_blocks(request.num_computed_tokens)
-        dev = self.kv.block_table(rid)[first:first + len(host)]
+        computed = request.num_computed_tokens
+        dev = [b for m in self.kv.groups for b in m.block_table(rid)[
+            m.num_dead_blocks(computed):m.num_blocks_needed(computed)]]
         if len(dev) != len(host):
             raise KVCacheError(f"request {rid!r} resumed with {len(dev)} device blocks for "
                                f"{len(host)} swapped ones")

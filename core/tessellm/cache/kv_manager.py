@@ -28,12 +28,8 @@ Copy-on-write (n > 1): `fork(parent, child)` gives the child the parent's table,
 shared (incref). A shared block is never written: when `allocate_slots` grows a table whose
 block at position num_computed_tokens (the first one written) is held by another table too,
 it takes a fresh block instead, records the (shared, fresh) pair for the model runner to copy
-(`take_block_copies()`, after zeroing) and drops its reference to the shared one. That
-reference is dropped only by `take_block_copies()` (until then the source is held for the
-copy, which reads it before the step): otherwise a preemption later in the same schedule()
-could free the source, hand it out as a fresh block and have it zeroed before the copy read
-it. The copy-on-write test counts table references only (a held source whose last table
-writes into it writes in place, after the copy has read it).
+(`take_block_copies()`, after zeroing) and drops its reference to the shared one, which is
+held for the copy until `take_block_copies()` (tessellm.cache.block_copies: why).
 
 Invariants: a block's reference count is the number of tables holding it, and it is in two
 tables only if it is a cached block shared through a hit or a block shared through a fork
@@ -41,28 +37,17 @@ tables only if it is a cached block shared through a hit or a block shared throu
 its hash names and is never written again (it is cached only once all its positions are
 computed, and only positions >= num_computed_tokens are written); a table only grows, by
 exactly the blocks needed to cover num_computed_tokens + num_new_tokens, until `free` returns
-it whole (with a window, its leading entries turn null as described above, never back);
+it whole (with a window, its leading entries turn null as described below, never back);
 allocation is all-or-nothing.
 
-Sliding window (`sliding_window` W > 0: a model whose every layer has that window, so a query
-at position p reads only the keys at positions > p - W). A table stays positional (entry i
-covers positions i*bs .. i*bs + bs - 1), but the blocks no query from num_computed_tokens on
-will read, the first num_dead_blocks(num_computed_tokens) = max(c - W + 1, 0) // bs, are
-released (the normal free path: a cached one stays a prefix-cache hit until evicted) and their
-entries become the null block; `allocate_slots` does it before it grows a table, so a chunk
-starting at c keeps the W - 1 keys before c. With prefix caching on, a block is released only
-once it has been offered to the cache (`cache_full_blocks`), so a step in flight under async
-scheduling delays it by one step (a sequence then holds at most ceil((max(W - 1, T) + n - 1)
-/ bs) + 1 blocks, T the tokens of its step in flight). A new table (prefix hits, a swapped-out
-request resuming at its kept count) starts with null entries where its dead blocks would be:
-dead hits are not held at all; its hits and swapped-in full blocks count as offered.
-Kernels may read a null entry's zeros but mask those positions out (every attention kernel
-masks or skips keys outside the window). Blocks held by a windowed sequence
-computing n tokens from c: those overlapping positions c - W + 1 .. c + n - 1, at most
-ceil((W + n - 2) / bs) + 1 (a decode: ceil((W - 1) / bs) + 1).
+Sliding window (`sliding_window` W > 0: a query at position p reads only the keys at
+positions > p - W): the table's blocks no query reads any more are released and their entries
+become the null block (tessellm.cache.sliding_window: the arithmetic, a diagram, the bounds).
 
-    bs = 4, W = 6, c = 13 (next query at 13 reads keys 8..13)
-    table    [ 0 (null) | 0 (null) | 42 | 7 ]     positions 0..7 released
+One pool, several tables per request (hybrid models, tessellm.cache.kv_groups): a manager may
+be given a BlockPool that other managers share (`pool`, `group`); its prefix-cache hashes are
+then its group's own (`group` seeds the chain), since the same block of tokens holds different
+layers' KV in each group.
 
 Block 0 is the null block: reserved for life, never held through a table (a windowed table's
 released entries name it but hold no reference), so block-table padding can point at it.
@@ -79,62 +64,51 @@ layers above.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
+from tessellm.cache.block_copies import BlockCopies
 from tessellm.cache.block_pool import BlockPool
-from tessellm.cache.prefix_cache import BlockHash, extend_block_hashes
-from tessellm.errors import ConfigError, TessellmError
+from tessellm.cache.prefix_cache import BlockHash, check_hits, extend_block_hashes
+from tessellm.cache.sequence_state import KVCacheError, SequenceState
+from tessellm.cache.sliding_window import (max_held_blocks, new_table_split, num_blocks_for,
+                                           num_dead_blocks)
+from tessellm.errors import ConfigError
 
-
-class KVCacheError(TessellmError, RuntimeError):
-    """The KV manager was asked for something outside a request's blocks."""
-
-
-class SequenceState(Protocol):
-    """What the KV manager reads from a request."""
-
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def num_computed_tokens(self) -> int: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def cache_salt(self) -> str | None: ...
-
-    @property
-    def lora_int_id(self) -> int: ...   # 0: the base model; an adapter's KV is its own
-
-    def token_ids_slice(self, start: int, stop: int) -> list[int]: ...
+__all__ = ["KVCacheError", "KVCacheManager", "SequenceState"]
 
 
 class KVCacheManager:
     __slots__ = ("_pool", "_block_size", "_tables", "_fresh", "_caching", "_hashes",
-                 "_num_cached", "_copies", "_copy_holds", "_window", "_released")
+                 "_num_cached", "_copies", "_window", "_released", "_group")
 
     NULL_BLOCK = 0
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, sliding_window: int = 0) -> None:
-        """`sliding_window`: the window of a model whose every layer has it (0: none; blocks
-        are then held for the whole context)."""
+                 enable_prefix_caching: bool = True, sliding_window: int = 0, *,
+                 pool: BlockPool | None = None, group: int = 0) -> None:
+        """`sliding_window`: the window of every layer this manager's tables serve (0: none;
+        blocks are then held for the whole context). `pool`: a pool of num_blocks + 1 blocks
+        shared with other managers, its null block taken already (default: a pool of its
+        own); `group`: this manager's group among those (it seeds its prefix-cache hashes)."""
         if not isinstance(sliding_window, int) or sliding_window < 0:
             raise ConfigError(f"sliding_window must be an integer >= 0, got {sliding_window!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        self._pool = BlockPool(num_blocks + 1)
-        if self._pool.allocate(1) != [self.NULL_BLOCK]:
-            raise KVCacheError("the block pool did not hand out block 0 first")
+        if pool is None:
+            pool = BlockPool(num_blocks + 1)
+            if pool.allocate(1) != [self.NULL_BLOCK]:
+                raise KVCacheError("the block pool did not hand out block 0 first")
+        elif pool.num_blocks != num_blocks + 1 or pool.ref_count(self.NULL_BLOCK) != 1:
+            raise KVCacheError(f"a shared pool must have {num_blocks} + 1 blocks and its null "
+                               f"block taken")
+        self._pool = pool
+        self._group = group
         self._block_size = block_size
         self._tables: dict[str, list[int]] = {}
         self._fresh: list[int] = []
-        self._copies: list[tuple[int, int]] = []   # copy-on-write (source, destination)
-        self._copy_holds: dict[int, int] = {}       # source -> references kept for its copy
+        self._copies = BlockCopies()
         self._caching = bool(enable_prefix_caching)
         # Per request: hashes of its first full blocks (a prefix of the chain), and how many
         # leading blocks of its table are cached or were offered to the cache already.
@@ -144,9 +118,9 @@ class KVCacheManager:
         # Per windowed request: how many leading entries of its table are the null block.
         self._released: dict[str, int] = {}
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self._caching
+    enable_prefix_caching = property(lambda self: self._caching)
+    block_size = property(lambda self: self._block_size)
+    pool = property(lambda self: self._pool)
 
     @property
     def sliding_window(self) -> int:
@@ -164,10 +138,6 @@ class KVCacheManager:
         return self._pool.num_blocks
 
     @property
-    def block_size(self) -> int:
-        return self._block_size
-
-    @property
     def num_free_blocks(self) -> int:
         """Blocks nobody holds, cached ones included (they are evicted when needed)."""
         return self._pool.num_free_blocks
@@ -178,39 +148,32 @@ class KVCacheManager:
         return 1.0 - self._pool.num_free_blocks / self.num_blocks
 
     @property
-    def pool(self) -> BlockPool:
-        return self._pool
+    def groups(self) -> tuple[KVCacheManager, ...]:
+        """The managers of the request's block-table groups: this one alone (a KVCacheGroups
+        has several)."""
+        return (self,)
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // self._block_size)
+        return num_blocks_for(num_tokens, self._block_size)
 
     def num_dead_blocks(self, num_computed: int) -> int:
-        """Leading blocks of a sequence that no query at a position >= num_computed reads:
-        those wholly before num_computed - window + 1 (0 without a window)."""
-        if not self._window:
-            return 0
-        return max(num_computed - self._window + 1, 0) // self._block_size
+        """Leading blocks of a sequence that no query at a position >= num_computed reads
+        (tessellm.cache.sliding_window; 0 without a window)."""
+        return num_dead_blocks(self._window, self._block_size, num_computed)
+
+    def max_held_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a lone sequence of `num_tokens` tokens holds at once when a step
+        computes at most `step_tokens` (the whole context without a window)."""
+        return max_held_blocks(self._window, self._block_size, num_tokens, step_tokens)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The blocks the request's table holds (its null entries excluded)."""
+        return self._tables.get(request_id, [])[self._released.get(request_id, 0):]
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request's table holds (its null entries excluded)."""
-        return len(self._tables.get(request_id, ())) - self._released.get(request_id, 0)
-
-    def new_table_plan(self, request: SequenceState, num_new_tokens: int,
-                       computed_blocks: Sequence[int] = ()) -> tuple[list[int], int]:
-        """For a request without blocks: (the hits among `computed_blocks` its table would
-        hold, the fresh blocks it would take) in allocate_slots(request, num_new_tokens,
-        computed_blocks). Hits wholly out of the window are not held (null entries)."""
-        _, held, missing = self._new_table(request, num_new_tokens, computed_blocks)
-        return held, missing
-
-    def _new_table(self, request: SequenceState, num_new_tokens: int,
-                   hits: Sequence[int]) -> tuple[int, list[int], int]:
-        """(null entries, held hits, fresh blocks) of a new table (see new_table_plan)."""
-        start = request.num_computed_tokens + len(hits) * self._block_size
-        lead = self.num_dead_blocks(start)
-        needed = self.num_blocks_needed(start + num_new_tokens)
-        return lead, list(hits[lead:]), needed - max(lead, len(hits))
+        return len(self.held_blocks(request_id))
 
     def get_computed_blocks(self, request: SequenceState) -> tuple[list[int], int]:
         """The cached blocks holding the longest run of full blocks at the start of the
@@ -229,7 +192,7 @@ class KVCacheManager:
         max_hit_blocks = (request.num_tokens - 1) // self._block_size
         hashes = self._hashes.setdefault(rid, [])
         extend_block_hashes(hashes, max_hit_blocks, self._block_size, request.cache_salt,
-                            request.token_ids_slice, request.lora_int_id)
+                            request.token_ids_slice, request.lora_int_id, self._group)
         blocks: list[int] = []
         for block_hash in hashes[:max_hit_blocks]:
             block_id = self._pool.cached_block(block_hash)
@@ -249,29 +212,11 @@ class KVCacheManager:
         Returns False, changing nothing (but the release of blocks out of the window, which
         no query reads any more), when the free queue is too short (hits that sit in the free
         queue count against it too); the scheduler then preempts or waits.
-        With a window, a grown table first releases its dead blocks (see the module
-        docstring); a new one holds only the hits inside the window.
+        With a window, a grown table first releases its dead blocks
+        (tessellm.cache.sliding_window); a new one holds only the hits inside the window.
         """
-        if num_new_tokens < 0:
-            raise KVCacheError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        rid = request.request_id
-        table = self._tables.get(rid)
         hits = list(computed_blocks)
-        if hits:
-            self._check_hits(request, table, hits)
-        lead, cow = 0, False
-        if table is None:
-            lead, held_hits, missing = self._new_table(request, num_new_tokens, hits)
-        else:
-            if self._window:
-                table = self._release_dead(rid, table, request.num_computed_tokens)
-            held_hits = []
-            held = len(table)
-            missing = max(self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-                          - held, 0)
-            first = request.num_computed_tokens // self._block_size   # first block written
-            cow = num_new_tokens > 0 and first < held and self._pool.ref_count(table[first]) \
-                - self._copy_holds.get(table[first], 0) > 1
+        table, lead, held_hits, missing, cow = self._growth(request, num_new_tokens, hits)
         if missing == 0 and not hits and not cow:
             return True
         revived = sum(self._pool.ref_count(b) == 0 for b in held_hits)
@@ -280,12 +225,13 @@ class KVCacheManager:
         self._pool.incref(held_hits)   # first: allocating must not evict a hit
         new_blocks = self._pool.allocate(missing + cow)
         self._fresh.extend(new_blocks)
+        rid = request.request_id
         if cow:  # a new list: a table list only ever grows in place (see block_table_view)
+            first = request.num_computed_tokens // self._block_size
             shared, private = table[first], new_blocks.pop()
-            self._copies.append((shared, private))
+            self._copies.record(shared, private)   # its reference is held until the copy
             table = self._tables[rid] = list(table)
             table[first] = private
-            self._copy_holds[shared] = self._copy_holds.get(shared, 0) + 1   # until the copy
         if table is None:
             self._tables[rid] = [self.NULL_BLOCK] * lead + held_hits + new_blocks
             # offered already: the hits, and with a window a resumed (swapped-in) request's
@@ -300,6 +246,42 @@ class KVCacheManager:
         else:
             table.extend(new_blocks)
         return True
+
+    def growth(self, request: SequenceState, num_new_tokens: int,
+               computed_blocks: Sequence[int] = ()) -> tuple[list[int], int]:
+        """What allocate_slots(request, num_new_tokens, computed_blocks) would take: (the hits
+        its table would hold, the blocks it would take from the free queue, a copy-on-write
+        destination included). Releases the table's blocks out of the window first, as
+        allocate_slots does; changes nothing else."""
+        _, _, held_hits, missing, cow = self._growth(request, num_new_tokens,
+                                                     list(computed_blocks))
+        return held_hits, missing + cow
+
+    def _growth(self, request: SequenceState, num_new_tokens: int, hits: list[int]
+                ) -> tuple[list[int] | None, int, list[int], int, bool]:
+        """(the table after its release of dead blocks (None: none yet), null entries of a
+        new table, held hits, fresh blocks, whether the first block written is copied)."""
+        if num_new_tokens < 0:
+            raise KVCacheError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        rid = request.request_id
+        table = self._tables.get(rid)
+        start = request.num_computed_tokens + len(hits) * self._block_size
+        if hits:
+            check_hits(self._pool, self._block_size, request, table is not None, hits,
+                       self.num_dead_blocks(start))
+        if table is None:   # hits wholly out of the window are not held
+            lead, held_hits, missing = new_table_split(self._window, self._block_size, start,
+                                                       num_new_tokens, hits)
+            return None, lead, held_hits, missing, False
+        if self._window:
+            table = self._release_dead(rid, table, request.num_computed_tokens)
+        held = len(table)
+        missing = max(self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
+                      - held, 0)
+        first = request.num_computed_tokens // self._block_size   # first block written
+        cow = num_new_tokens > 0 and first < held and self._pool.ref_count(table[first]) \
+            - self._copies.extra_refs(table[first]) > 1
+        return table, 0, [], missing, cow
 
     def _release_dead(self, rid: str, table: list[int], num_computed: int) -> list[int]:
         """Release the table's blocks out of the window (only those offered to the prefix
@@ -335,7 +317,7 @@ class KVCacheManager:
             return
         hashes = self._hashes.setdefault(rid, [])
         extend_block_hashes(hashes, num_full, self._block_size, request.cache_salt,
-                            request.token_ids_slice, request.lora_int_id)
+                            request.token_ids_slice, request.lora_int_id, self._group)
         for i in range(start, num_full):
             if table[i] == self.NULL_BLOCK:
                 raise KVCacheError(f"request {rid!r}: block {i} was released before it was "
@@ -367,11 +349,7 @@ class KVCacheManager:
         the destinations are among take_fresh_blocks() and must be copied after zeroing.
         Drops the references the sources were held by for their copies: call it once the
         step's allocations are done (Scheduler.schedule does), before the next step's."""
-        copies, self._copies = self._copies, []
-        if self._copy_holds:   # the sources' references, kept for the copies (see above)
-            holds, self._copy_holds = self._copy_holds, {}
-            self._pool.free([b for b, n in holds.items() for _ in range(n)])
-        return copies
+        return self._copies.take(self._pool)
 
     def take_fresh_blocks(self) -> list[int]:
         """Blocks taken from the free queue since the previous call (each once), for zeroing
@@ -427,19 +405,6 @@ class KVCacheManager:
                 f"positions {start}..{stop - 1} of request {request.request_id!r} are outside "
                 f"its {len(table)} block(s) of {bs} tokens")
         return [table[p // bs] * bs + p % bs for p in range(start, stop)]
-
-    def _check_hits(self, request: SequenceState, table: list[int] | None,
-                    hits: list[int]) -> None:
-        rid = request.request_id
-        if table is not None or request.num_computed_tokens != 0:
-            raise KVCacheError(f"request {rid!r} has blocks or computed tokens already; cached "
-                               f"blocks can only start a table")
-        if len(set(hits)) != len(hits) or any(self._pool.block_hash(b) is None for b in hits):
-            raise KVCacheError(f"computed blocks {hits} for request {rid!r} are not distinct "
-                               f"cached blocks")
-        if len(hits) * self._block_size >= request.num_tokens:
-            raise KVCacheError(f"computed blocks {hits} cover all {request.num_tokens} tokens "
-                               f"of request {rid!r}; the last one must be computed")
 
     def __repr__(self) -> str:
         return (f"KVCacheManager(num_blocks={self.num_blocks}, block_size={self._block_size}, "

@@ -27,20 +27,28 @@ import hashlib
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+from tessellm.cache.sequence_state import KVCacheError, SequenceState
+
+if TYPE_CHECKING:   # block_pool imports this module
+    from tessellm.cache.block_pool import BlockPool
 
 BlockHash = bytes
 
 _NATIVE_LE = sys.byteorder == "little"  # array("q") is 8 bytes on every supported platform
 
 
-def root_hash(cache_salt: str | None, lora_int_id: int = 0) -> BlockHash:
-    """The chain's seed: distinct for no salt, each salt string (including ""), and each
-    LoRA adapter id (0: the base model; KV computed through an adapter is its own)."""
+def root_hash(cache_salt: str | None, lora_int_id: int = 0, group: int = 0) -> BlockHash:
+    """The chain's seed: distinct for no salt, each salt string (including ""), each LoRA
+    adapter id (0: the base model; KV computed through an adapter is its own) and each
+    block-table group (0: the first; another group's blocks hold other layers' KV)."""
     seed = b"tessellm-prefix-v1\x00" if cache_salt is None else (
         b"tessellm-prefix-v1\x01" + cache_salt.encode("utf-8", "surrogatepass"))
     if lora_int_id:
         seed = b"lora\x00" + str(lora_int_id).encode() + b"\x00" + seed
+    if group:
+        seed = b"group\x00" + str(group).encode() + b"\x00" + seed
     return hashlib.sha256(seed).digest()
 
 
@@ -52,14 +60,32 @@ def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.sha256(parent + tokens.tobytes()).digest()
 
 
+def check_hits(pool: BlockPool, block_size: int, request: SequenceState, has_table: bool,
+               hits: list[int], num_dead: int = 0) -> None:
+    """Raise KVCacheError unless `hits` can start the request's table: it has no blocks and
+    no computed tokens, they are distinct blocks of `pool`, cached but for the first
+    `num_dead` (out of a window, never held: another block-table group's allocation may
+    have evicted them since), and they leave its last token to compute."""
+    rid = request.request_id
+    if has_table or request.num_computed_tokens != 0:
+        raise KVCacheError(f"request {rid!r} has blocks or computed tokens already; cached "
+                           f"blocks can only start a table")
+    if len(set(hits)) != len(hits) or any(pool.block_hash(b) is None for b in hits[num_dead:]):
+        raise KVCacheError(f"computed blocks {hits} for request {rid!r} are not distinct "
+                           f"cached blocks")
+    if len(hits) * block_size >= request.num_tokens:
+        raise KVCacheError(f"computed blocks {hits} cover all {request.num_tokens} tokens "
+                           f"of request {rid!r}; the last one must be computed")
+
+
 def extend_block_hashes(hashes: list[BlockHash], num_full_blocks: int, block_size: int,
                         cache_salt: str | None,
                         token_ids_slice: Callable[[int, int], list[int]],
-                        lora_int_id: int = 0) -> None:
+                        lora_int_id: int = 0, group: int = 0) -> None:
     """Append hashes to `hashes` (the chain of a sequence's first len(hashes) blocks) until it
     covers `num_full_blocks` blocks. Token ids only ever get appended to a sequence, so
     hashes already in the list stay valid."""
-    parent = hashes[-1] if hashes else root_hash(cache_salt, lora_int_id)
+    parent = hashes[-1] if hashes else root_hash(cache_salt, lora_int_id, group)
     for i in range(len(hashes), num_full_blocks):
         parent = hash_block(parent, token_ids_slice(i * block_size, (i + 1) * block_size))
         hashes.append(parent)

@@ -122,7 +122,8 @@ class AsyncEngine:
         self.limits = RequestLimits(self.info.priority_levels, self.info.vocab_size,
                                     self.info.max_model_len, self.info.block_size,
                                     self.info.num_kv_blocks, self.info.prompt_logprobs,
-                                    self.info.speculative_tokens)
+                                    self.info.speculative_tokens,
+                                    tuple(self.info.kv_windows), self.info.step_tokens)
         self.max_waiting = max_waiting
         self.observer = observer
         self.name = name

@@ -1,9 +1,11 @@
-"""Block tables as persistent per-request int32 rows (the model runner's host path)."""
+"""Block tables as persistent per-request int32 rows (the model runner's host path), one set
+per block-table group (tessellm.cache.kv_groups)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 
 class BlockTableRows:
@@ -39,4 +41,35 @@ class BlockTableRows:
         if len(self._rows) > 2 * self.max_rows:   # forget requests that left
             keep = set(request_ids)
             self._rows = {k: v for k, v in self._rows.items() if k in keep}
+        return width
+
+
+def group_names(name: str, num_groups: int) -> list[str]:
+    """A per-group staging buffer's names: `name` for the first block-table group, then
+    name_<g>."""
+    return [name] + [f"{name}_{g}" for g in range(1, num_groups)]
+
+
+class GroupTableRows:
+    """Every block-table group's BlockTableRows, each filling its group's host buffer
+    (`names`: block_tables, block_tables_1, ...)."""
+
+    def __init__(self, max_blocks_per_seq: int, max_rows: int, num_groups: int) -> None:
+        self.groups = [BlockTableRows(max_blocks_per_seq, max_rows) for _ in range(num_groups)]
+        self.names = group_names("block_tables", num_groups)
+
+    def fill(self, bufs: dict[str, torch.Tensor], request_ids: list[str],
+             by_group: list[list[Sequence[int]]], padded: int | None) -> int:
+        """Each group's rows into host buffer bufs[its name] (the groups' tables row for row;
+        none for a step of padding rows alone), padded to `padded` rows of the full width
+        with the null block; returns the width (the first group's longest table unless
+        padded)."""
+        width = None
+        by_group = by_group + [[]] * (len(self.groups) - len(by_group))
+        for rows, name, tables in zip(self.groups, self.names, by_group):
+            buf = bufs[name].numpy()
+            width = rows.fill(buf, request_ids, tables,
+                              width=rows.width if padded is not None else width)
+            if padded is not None:
+                buf[len(tables):padded] = 0
         return width

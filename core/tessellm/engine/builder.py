@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 import tessellm
+from tessellm.cache.kv_groups import KVCacheLayout
+from tessellm.cache.sliding_window import kv_blocks_bound
 from tessellm.config import EngineConfig
 from tessellm.device import DevicePlugin, host_memory_info
 from tessellm.errors import ConfigError, DeviceUnavailableError
@@ -58,7 +60,7 @@ class EngineParts:
     plan: ExecutionPlan
     selector: KernelSelector
     pass_report: PassReport
-    kv_caches: list[torch.Tensor]
+    kv_caches: list[torch.Tensor]   # the KV tensors; layer i's is kv_layout.layer_tensors[i]
     num_kv_blocks: int
     max_model_len: int
     source: ModelSource
@@ -72,6 +74,8 @@ class EngineParts:
     proposers: dict[str, Any] = field(default_factory=dict)
     # LoRA (enable_lora): the graph's adapter sites; their slot tables are in `weights`
     lora_sites: list[LoRASite] = field(default_factory=list)
+    # block-table groups (tessellm.cache.kv_groups; None: one, a KV tensor per layer)
+    kv_layout: KVCacheLayout | None = None
 
     @property
     def is_demo(self) -> bool:
@@ -139,22 +143,43 @@ def make_selector(config: EngineConfig, registry: KernelRegistry,
         identity=identity, replayed_buckets=replayed)
 
 
+def kv_layout(config: EngineConfig, spec: ModelSpec, num_local_layers: int) -> KVCacheLayout:
+    """The block-table groups and KV tensors (tessellm.cache.kv_groups): the model's own, but
+    one group under pipeline parallelism (a stage holds part of the layers; a hybrid model's
+    stages hold their whole context, as every layer did before the groups)."""
+    if config.pipeline_parallel_size == 1:
+        return spec.kv_layout
+    window = spec.sliding_window if spec.all_layers_windowed else 0
+    return KVCacheLayout.of([window] * num_local_layers)
+
+
+def kv_block_bytes(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
+                   layout: KVCacheLayout | None = None) -> int:
+    """Bytes of one KV block: K and V of its tokens in every KV tensor (one per layer unless
+    `layout` shares tensors between block-table groups)."""
+    tensors = spec.num_layers if layout is None else layout.num_tensors
+    return (2 * config.block_size * spec.num_kv_heads * spec.head_dim
+            * torch.empty((), dtype=dtype).element_size() * tensors)
+
+
 def kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
-                   max_model_len: int, measured_bytes: int | None = None) -> int:
+                   max_model_len: int, measured_bytes: int | None = None,
+                   layout: KVCacheLayout | None = None) -> int:
     """num_kv_blocks, or as many blocks as the budget holds (kv_cache_bytes, else the device's
     measured budget, else DEFAULT_KV_CACHE_BYTES), but no more than max_num_seqs sequences of
-    max_model_len tokens can use."""
+    max_model_len tokens can hold at once (with sliding windows: their bound)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = (2 * config.block_size * spec.num_kv_heads * spec.head_dim
-                 * torch.empty((), dtype=dtype).element_size() * spec.num_layers)
+    per_block = kv_block_bytes(config, spec, dtype, layout)
     budget = config.kv_cache_bytes or measured_bytes or DEFAULT_KV_CACHE_BYTES
     if measured_bytes is not None and measured_bytes < per_block:
         raise DeviceUnavailableError(
             f"no device memory left for the KV cache: {measured_bytes} bytes free after the "
             f"weights and the activation peak, one block needs {per_block}; raise "
             "gpu_memory_utilization or lower max_num_batched_tokens")
-    useful = config.max_num_seqs * math.ceil(max_model_len / config.block_size)
+    windows = (0,) if layout is None else layout.windows
+    useful = config.max_num_seqs * kv_blocks_bound(windows, config.block_size, max_model_len,
+                                                   config.max_num_batched_tokens)
     return max(1, min(budget // per_block, useful))
 
 
@@ -165,7 +190,7 @@ HOST_POOL_SHARE = 0.5
 
 
 def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype,
-                        num_kv_blocks: int) -> int:
+                        num_kv_blocks: int, layout: KVCacheLayout | None = None) -> int:
     """Host blocks for swap preemption: 0 in recompute mode; else num_host_kv_blocks, or as
     many as swap_space_bytes hold, or (default) as many as the device pool but at most what
     HOST_POOL_SHARE of the host's available memory holds, split among the tensor-parallel
@@ -174,8 +199,7 @@ def host_kv_block_count(config: EngineConfig, spec: ModelSpec, dtype: torch.dtyp
         return 0
     if config.num_host_kv_blocks is not None:
         return config.num_host_kv_blocks
-    per_block = (2 * config.block_size * spec.num_kv_heads * spec.head_dim
-                 * torch.empty((), dtype=dtype).element_size() * spec.num_layers)
+    per_block = kv_block_bytes(config, spec, dtype, layout)
     if config.swap_space_bytes is not None:
         return max(1, config.swap_space_bytes // per_block)
     share = int(host_memory_info().free_bytes * HOST_POOL_SHARE) // config.world_size
@@ -303,8 +327,9 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
             profile_forward(plan, local_spec, config, device, dtype, max_model_len),
             config.gpu_memory_utilization)
     # the KV budget is per rank; a rank's blocks hold its KV heads of its stage's layers only
-    num_blocks = kv_block_count(config, local_spec, dtype, max_model_len, measured)
-    num_host = host_kv_block_count(config, local_spec, dtype, num_blocks)
+    layout = kv_layout(config, spec, local_spec.num_layers)
+    num_blocks = kv_block_count(config, local_spec, dtype, max_model_len, measured, layout)
+    num_host = host_kv_block_count(config, local_spec, dtype, num_blocks, layout)
     if parallel is not None:   # the one block table every rank indexes
         num_blocks = parallel.min_over_ranks(num_blocks)
         num_host = parallel.min_over_ranks(num_host)
@@ -312,17 +337,17 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     # one more physical block than usable ones: block 0 is the KV manager's null block
     kv_shape = (local_spec.num_kv_heads, config.block_size, local_spec.head_dim)
     kv_caches = [alloc.allocate((2, num_blocks + 1, *kv_shape), dtype, tag="kv_cache")
-                 for _ in range(local_spec.num_layers)]
-    host = device.host_allocator()   # same per-layer layout; no null block on the host
+                 for _ in range(layout.num_tensors)]
+    host = device.host_allocator()   # same per-tensor layout; no null block on the host
     host_kv_caches = [host.allocate((2, num_host, *kv_shape), dtype)
-                      for _ in range(local_spec.num_layers)] if num_host else []
+                      for _ in range(layout.num_tensors)] if num_host else []
     tokenizer = (load_source_tokenizer(source, opened, cache_root(config.cache_dir),
                                        core_only=core_tokenizer)
                  if leader else None)  # workers never decode
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches, parallel,
-                       plugins.speculative_proposers(), lora_sites)
+                       plugins.speculative_proposers(), lora_sites, layout)
 
 
 def _with_lora_pass(config: EngineConfig, passes: list[GraphPass], sites: list[LoRASite],

@@ -69,6 +69,8 @@ class Ready(msgspec.Struct, tag=True):
     speculative_tokens: int = 0     # the engine's k (0: it does not speculate)
     max_loras: int = 0              # LoRA: adapters running at once (0: LoRA is off)
     max_lora_rank: int = 0
+    kv_windows: tuple[int, ...] = (0,)   # the pool's block-table groups' windows (RequestLimits)
+    step_tokens: int = 0            # max_num_batched_tokens (RequestLimits)
 
 
 class StartupFailed(msgspec.Struct, tag=True):

@@ -93,6 +93,8 @@ def ready_message(engine: LLMEngine, kernel_choices: dict[str, str]) -> Ready:
                  prompt_logprobs=engine.limits.prompt_logprobs,
                  speculative_tokens=engine.limits.speculative_tokens,
                  max_loras=c.max_loras if c.enable_lora else 0,
+                 kv_windows=engine.limits.kv_windows,
+                 step_tokens=engine.limits.step_tokens,
                  max_lora_rank=c.max_lora_rank if c.enable_lora else 0)
 
 

@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.cache.kv_groups import KVCacheLayout, check_pool_holds_a_window, make_kv_cache
 from tessellm.constraints.compiler import GrammarCompiler
 from tessellm.constraints.guidance_tokenizer import guidance_tokenizer
 from tessellm.constraints.request_constraint import RequestConstraint
@@ -77,12 +77,12 @@ class LLMEngine:
         c = parts.config
         self.parts = parts
         self.max_model_len = parts.max_model_len
-        # every layer windowed alike: blocks out of the window are released (a hybrid model,
-        # windowed and full layers, holds the whole context: one table serves every layer)
-        window = parts.spec.sliding_window if parts.spec.all_layers_windowed else 0
-        self.kv = KVCacheManager(parts.num_kv_blocks, c.block_size,
-                                 enable_prefix_caching=c.enable_prefix_caching,
-                                 sliding_window=window)
+        # one block-table group per attention kind: each windowed group releases the blocks
+        # out of its window (tessellm.cache.kv_groups)
+        layout = parts.kv_layout or KVCacheLayout.of([0] * len(parts.kv_caches))
+        self.kv = make_kv_cache(parts.num_kv_blocks, c.block_size, layout.windows,
+                                c.enable_prefix_caching)
+        check_pool_holds_a_window(self.kv, self.max_model_len)
         sla = None if c.sla_itl_p99_ms is None else SLAConfig(
             c.sla_itl_p99_ms / 1e3, c.sla_target_tokens_per_s, c.sla_window_steps,
             c.sla_min_num_seqs)
@@ -99,7 +99,8 @@ class LLMEngine:
             self.kv.num_blocks, prompt_logprobs=parts.device.static_shapes(
                 c.max_num_batched_tokens, c.max_num_seqs) is None,
             speculative_tokens=0 if c.speculative_config is None
-            else c.speculative_config.num_speculative_tokens)
+            else c.speculative_config.num_speculative_tokens, kv_windows=layout.windows,
+            step_tokens=c.max_num_batched_tokens)
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(lambda: guidance_tokenizer(
             parts.tokenizer, parts.spec.vocab_size, parts.eos_token_ids))

@@ -16,7 +16,7 @@ import torch
 from tessellm.models.pipeline import HIDDEN_FEED
 from tessellm.config import EngineConfig
 from tessellm.device import DevicePlugin
-from tessellm.graph.plan import KV_CACHE_FEED, ExecutionPlan
+from tessellm.graph.plan import KV_CACHE_FEED, ExecutionPlan, group_meta_feeds
 from tessellm.lora.sites import LORA_SLOTS_FEED
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.models.spec import ModelSpec
@@ -54,6 +54,7 @@ def profile_forward(plan: ExecutionPlan, spec: ModelSpec, config: EngineConfig,
         feeds = {"input_ids": torch.zeros(T, dtype=torch.int64, device=dev),
                  "positions": positions, "attn_meta": meta,
                  "logits_indices": torch.arange(T - n_logits, T, device=dev)}
+        feeds.update({name: meta for name, _ in group_meta_feeds(plan.inputs)})   # all null
         scratch = (2, 1, spec.num_kv_heads, bs, spec.head_dim)
         feeds.update({KV_CACHE_FEED.format(layer=i): torch.zeros(scratch, dtype=dtype, device=dev)
                       for i in range(spec.num_layers)})

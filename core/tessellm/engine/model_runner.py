@@ -27,6 +27,12 @@ the plan, the compute stream overwrites those rows with N's ids (`index_copy_`).
 LoRA (a plan with the `lora_slots` input, tessellm.lora.sites): every token row's adapter
 slot (-1: base model; padding rows too) is staged and fed like the positions.
 
+Hybrid models (block-table groups, tessellm.cache.kv_groups): each group after the first has
+its own slot mapping and block-table buffers and its own AttentionMetadata (the first's
+lengths and query offsets, its tables and slots), fed to its layers' attention nodes; layer
+i reads KV tensor layout.layer_tensors[i]. Block work is the same for every group (global
+block ids over every tensor).
+
 Tensor parallelism: the leader sends each step's BlockOps and its forward rows with the block
 table (parallel.messages.Batch) to the other ranks, which replay them (`run_block_ops`,
 `run_rows`); a single device never builds those messages. Pipeline parallelism: `run_rows`
@@ -39,14 +45,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from tessellm.cache.kv_groups import KVCache, KVCacheLayout
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import DevicePlugin, Event, StaticShapes
-from tessellm.engine.block_table_rows import BlockTableRows
+from tessellm.engine.block_table_rows import GroupTableRows, group_names
 from tessellm.engine.block_work import BlockWork
 from tessellm.engine.input_staging import InputStaging
 from tessellm.engine.step_inputs import (ForwardRows, LaunchedStep, StepInputs, StepPadding,
@@ -58,7 +65,7 @@ from tessellm.constraints.step_masks import PendingMasks, StepMasks
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
                                      SelectBitmaskKernel, SelectGreedyKernel, SelectSampleKernel,
                                      TokenLogprobs, TokenMasks, prompt_logprobs_of)
-from tessellm.graph.plan import KV_CACHE_FEED, STEP_FEEDS, ExecutionPlan
+from tessellm.graph.plan import KV_CACHE_FEED, STEP_FEEDS, ExecutionPlan, group_meta_feeds
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.lora.sites import LORA_SLOTS_FEED
 from tessellm.parallel.group import ControlChannel
@@ -95,11 +102,14 @@ class SamplerKernels:
     bitmask: SelectBitmaskKernel | None = None
 
 
-def _buffer_shapes(limits: RunnerLimits, overlap: bool,
-                   token_masks: StepMasks | None, staged_masks: bool, lora: bool) -> dict:
+def _buffer_shapes(limits: RunnerLimits, overlap: bool, token_masks: StepMasks | None,
+                   staged_masks: bool, lora: bool, num_groups: int) -> dict:
     T, B, W = limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_blocks_per_seq
     shapes = {"input_ids": ((T,), torch.int64), "positions": ((T,), torch.int64),
-              "slot_mapping": ((T,), torch.int64), "block_tables": ((B, W), torch.int32),
+              **{name: ((T,), torch.int64) for name in group_names("slot_mapping",
+                                                                     num_groups)},
+              **{name: ((B, W), torch.int32) for name in group_names("block_tables",
+                                                                     num_groups)},
               "seq_lens": ((B,), torch.int32),
               # one more offset per micro-batch (pipeline stages: parallel.micro_batches)
               "query_start_loc": ((2 * B,), torch.int32),
@@ -127,11 +137,19 @@ class ModelRunner:
                  followers: ControlChannel | None = None, overlap: bool = False,
                  token_masks: StepMasks | None = None,
                  sampler_kernels: SamplerKernels = SamplerKernels(),
-                 pipe: StageLink | None = None) -> None:
+                 pipe: StageLink | None = None, layout: KVCacheLayout | None = None) -> None:
+        """`kv_caches`: the KV tensors, layer i's at layout.layer_tensors[i] (default: one
+        per layer, one block-table group)."""
         self.device = device
         self.pipe = pipe   # pipeline parallelism: this rank's links to its neighbour stages
         self.followers = followers   # tensor parallelism: the leader's channel to the others
         self.kv_caches = kv_caches
+        self.layout = layout or KVCacheLayout.of([0] * len(kv_caches))
+        groups = self.layout.num_groups
+        # the graph's metadata feeds past the first (a hybrid model's groups): each its
+        # group's, or the one group's when the pool has one (pipeline parallelism)
+        self._group_feeds = [(name, g if groups > 1 else 0)
+                             for name, g in group_meta_feeds(plan.inputs)]
         self.block_size = limits.block_size
         self.overlap = overlap
         # Small host tables (the sampler's, the blocks to zero) go up through the staging
@@ -141,7 +159,7 @@ class ModelRunner:
         self._stages = (overlap or device.torch_device_type != "cpu") and static_shapes is None
         self.lora = LORA_SLOTS_FEED in plan.inputs   # a LoRA engine: each token's slot is fed
         self.staging = InputStaging(device, _buffer_shapes(limits, overlap, token_masks,
-                                                           self._stages, self.lora),
+                                                           self._stages, self.lora, groups),
                                     readback_rows=limits.max_num_seqs, sets=2 if overlap else 1)
         stage = self.staging.stage_small if self._stages else None
         self.sampler = Sampler(sampler_kernels.sample, stage, sampler_kernels.greedy,
@@ -153,7 +171,8 @@ class ModelRunner:
             static_shapes is not None, max_fresh_blocks(limits),
             (lambda ids: self.staging.stage_small("fresh_blocks", ids)) if self._stages
             else None)
-        self.table_rows = BlockTableRows(limits.max_blocks_per_seq, limits.max_num_seqs)
+        self.table_rows = GroupTableRows(limits.max_blocks_per_seq, limits.max_num_seqs,
+                                         groups)
         self.shapes = StepShapes(device, plan, limits.max_blocks_per_seq,
                                  sorted(g for g in graph_sizes
                                         if 1 <= g <= limits.max_num_seqs), static_shapes)
@@ -173,7 +192,7 @@ class ModelRunner:
         self.host_syncs += 1
         event.wait()
 
-    def apply_block_ops(self, out: SchedulerOutput, kv: KVCacheManager) -> Event | None:
+    def apply_block_ops(self, out: SchedulerOutput, kv: KVCache) -> Event | None:
         """The step's block work before inputs are built (on every rank): swap-outs, zeroing
         of fresh blocks (after the swap-outs reading them), copy-on-write, swap-ins. Returns
         the swap-in event compute must be ordered after (None when none)."""
@@ -204,8 +223,9 @@ class ModelRunner:
         Pending input tokens are fed from `previous` (the step in flight)."""
         rows = self._stage(s, request_ids, pad)
         if self.followers is not None:
-            tables = self.staging.host_bufs["block_tables"].numpy()[:rows.rows, :rows.width]
-            self.followers.send(Batch.of(rows, tables.tobytes()))
+            tables = [self.staging.host_bufs[name].numpy()[:rows.rows, :rows.width].tobytes()
+                      for name in self.table_rows.names]
+            self.followers.send(Batch.of(rows, tables[0], tables[1:]))
         feed = None
         if s.pending_rows:
             if previous is None or previous.token_ids is None:
@@ -219,24 +239,23 @@ class ModelRunner:
         """The host side of a forward pass: padded rows, and the block table filled into its
         host buffer."""
         n = len(s.query_lens)
-        tables_np = self.staging.host_bufs["block_tables"].numpy()
         ids, pos, slots = s.token_ids, s.positions, s.slot_mapping
         lora_slots = [slot for slot, q in zip(s.row_lora_slots, s.query_lens)
                       for _ in range(q)] if self.lora else []   # one per token
         seq_lens, query_lens = s.seq_lens, s.query_lens
         logits_idx = s.all_logits_indices or [0]
         num_decodes = s.num_decodes
-        if pad is None:
-            width = self.table_rows.fill(tables_np, request_ids, s.block_tables)
-            rows = n
-        else:
-            width = self.table_rows.fill(tables_np, request_ids, s.block_tables,
-                                         width=self.table_rows.width)
-            tables_np[n:pad.num_seqs] = 0
+        group_slots = s.group_slots or [[]] * (len(self.table_rows.names) - 1)  # padding alone
+        width = self.table_rows.fill(self.staging.host_bufs, request_ids,
+                                     [s.block_tables, *s.group_tables],
+                                     None if pad is None else pad.num_seqs)
+        rows = n
+        if pad is not None:
             rows = pad.num_seqs
             extra_tokens, extra_seqs = pad.num_tokens - len(ids), pad.num_seqs - n
             ids, pos = ids + [0] * extra_tokens, pos + [0] * extra_tokens
             slots = slots + [-1] * extra_tokens
+            group_slots = [g + [-1] * extra_tokens for g in group_slots]
             if self.lora:
                 lora_slots = lora_slots + [-1] * extra_tokens
             if pad.decode:   # padding decodes: one token each over the null block
@@ -248,25 +267,29 @@ class ModelRunner:
             logits_idx = s.logits_indices + [0] * (pad.num_seqs - len(s.logits_indices))
         return ForwardRows(ids, pos, slots, seq_lens, query_lens, logits_idx, num_decodes, rows,
                            width, None if pad is None else (pad.num_tokens, pad.num_seqs,
-                                                             pad.decode), lora_slots)
+                                                             pad.decode), lora_slots,
+                           group_slots)
 
     def run_rows(self, b: ForwardRows, swapped_in: Event | None,
                  feed: tuple[list[int], list[int], torch.Tensor] | None = None,
-                 tables: bytes = b"") -> tuple[torch.Tensor, Event]:
+                 tables: Sequence[bytes] = ()) -> tuple[torch.Tensor, Event]:
         """The device side of a forward pass (every rank runs it): upload, then the plan or
-        its compiled form. `tables`, when given, is the block table (a follower's; the leader
-        filled its host buffer in `_stage`). `feed` = (token rows, rows of the source, source
-        ids on the device): those input ids are overwritten on the device after the upload
-        (pending tokens)."""
-        if tables:
-            table = np.frombuffer(tables, dtype=np.int32).reshape(b.rows, b.width)
-            self.staging.host_bufs["block_tables"].numpy()[:b.rows, :b.width] = table
+        its compiled form. `tables`, when given, are the block tables of every block-table
+        group (a follower's; the leader filled its host buffers in `_stage`). `feed` =
+        (token rows, rows of the source, source ids on the device): those input ids are
+        overwritten on the device after the upload (pending tokens)."""
+        table_names = self.table_rows.names
+        for name, table in zip(table_names, tables):
+            self.staging.host_bufs[name].numpy()[:b.rows, :b.width] = np.frombuffer(
+                table, dtype=np.int32).reshape(b.rows, b.width)
         split = split_rows(b, 1) if self.pipe is None else split_rows(
             b, self.pipe.micro_batches, self.pipe.micro_batch_tokens)
         values = {
             "input_ids": b.token_ids, "positions": b.positions, "slot_mapping": b.slot_mapping,
-            "block_tables": (b.rows, b.width), "seq_lens": b.seq_lens,
-            "query_start_loc": split.query_start_loc, "logits_indices": split.logits_indices}
+            "seq_lens": b.seq_lens, "query_start_loc": split.query_start_loc,
+            "logits_indices": split.logits_indices,
+            **{name: (b.rows, b.width) for name in table_names},
+            **dict(zip(group_names("slot_mapping", len(table_names))[1:], b.group_slots))}
         if feed is not None:
             values.update(feed_rows=feed[0], feed_src=feed[1])
         if self.lora:
@@ -305,7 +328,13 @@ class ModelRunner:
             max_query_len=max(query_lens_host))
         feeds = dict(zip(STEP_FEEDS, (part("input_ids", tokens), part("positions", tokens),
                                       meta, part("logits_indices", mb.logits))))
-        feeds.update({KV_CACHE_FEED.format(layer=i): c for i, c in enumerate(self.kv_caches)})
+        if self._group_feeds:   # each block-table group's tables and slots, same rows
+            metas = [meta] + [replace(meta, slot_mapping=part(f"slot_mapping_{g}", tokens),
+                                      block_tables=part(f"block_tables_{g}", rows))
+                              for g in range(1, len(self.table_rows.names))]
+            feeds.update({name: metas[g] for name, g in self._group_feeds})
+        feeds.update({KV_CACHE_FEED.format(layer=i): self.kv_caches[t]
+                      for i, t in enumerate(self.layout.layer_tensors)})
         if self.lora:
             feeds[LORA_SLOTS_FEED] = part(LORA_SLOTS_FEED, tokens)
         return feeds
@@ -359,7 +388,7 @@ class ModelRunner:
                 count *= 2
         return len(shapes)
 
-    def launch(self, out: SchedulerOutput, kv: KVCacheManager,
+    def launch(self, out: SchedulerOutput, kv: KVCache,
                previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueue one step: block ops, inputs, the plan, sampling and the copy of the ids to
         the host. `previous` is the step still in flight (its pending tokens are inputs)."""

@@ -3,12 +3,14 @@ as plain values, so the front end of an engine-core process validates exactly as
 
 A request is validated where it enters (AsyncEngine.add_request_group, LLMEngine.validate);
 the scheduler trusts what was validated and only asserts its invariants (a non-empty prompt
-shorter than max_model_len, KV that fits the pool alone: tessellm.request.max_kv_tokens).
+shorter than max_model_len, KV that fits the pool alone: tessellm.request.max_kv_tokens, in
+each sliding-window group only the window's bound).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessellm.cache.sliding_window import kv_blocks_bound
 from tessellm.errors import InvalidRequestError
 from tessellm.request import max_kv_tokens
 from tessellm.sampling_params import SamplingParams
@@ -27,6 +29,8 @@ class RequestLimits:
     num_kv_blocks: int
     prompt_logprobs: bool = True
     speculative_tokens: int = 0
+    kv_windows: tuple[int, ...] = (0,)
+    step_tokens: int = 0
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, n: int = 1) -> None:
@@ -60,7 +64,7 @@ class RequestLimits:
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate")
         kv_tokens = max_kv_tokens(len(prompt_token_ids), params.max_tokens, self.max_model_len)
-        needed = -(-kv_tokens // self.block_size)
+        needed = kv_blocks_bound(self.kv_windows, self.block_size, kv_tokens, self.step_tokens)
         if needed > self.num_kv_blocks:
             raise InvalidRequestError(f"the request needs {needed} KV blocks but the pool has "
                                       f"{self.num_kv_blocks}")

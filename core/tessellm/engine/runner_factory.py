@@ -106,7 +106,7 @@ def make_model_runner(parts: EngineParts) -> ModelRunner:
         sampler_kernels=SamplerKernels(sample_kernel_select(parts.selector),
                                        greedy_kernel_select(parts.selector),
                                        bitmask_kernel_select(parts.selector)),
-        pipe=pipe)
+        pipe=pipe, layout=parts.kv_layout)
 
 
 def stage_link(parts: EngineParts) -> StageLink | None:

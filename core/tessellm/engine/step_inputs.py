@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessellm.cache.kv_groups import KVCache
 from tessellm.cache.kv_manager import KVCacheManager
 from tessellm.device import Event
 from tessellm.engine.token_logprobs import TokenLogprobs
@@ -51,6 +52,7 @@ class ForwardRows:
     width: int
     pad: tuple[int, int, bool] | None = None
     lora_slots: list[int] = field(default_factory=list)   # per token row (LoRA engines)
+    group_slots: list[list[int]] = field(default_factory=list)   # as StepInputs'
 
 
 def bucket_at_least(buckets: Sequence[int], n: int) -> int | None:
@@ -82,6 +84,10 @@ class StepInputs:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
     row_lora_slots: list[int] = field(default_factory=list)   # per row: its adapter's slot
+    # hybrid models: per block-table group after the first (tessellm.cache.kv_groups), its
+    # slot mapping and block tables, as slot_mapping and block_tables are the first group's
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[Sequence[int]]] = field(default_factory=list)
 
     @property
     def all_logits_indices(self) -> list[int]:
@@ -108,11 +114,12 @@ class LaunchedStep:
     sample_offsets: list[int] = field(default_factory=list)   # as StepInputs'
 
 
-def blocks_written_in_full(out: SchedulerOutput, kv: KVCacheManager,
+def blocks_written_in_full(out: SchedulerOutput, kv: KVCache,
                            fresh: list[int]) -> list[int]:
     """The blocks of `fresh` whose every slot the step writes: each scheduled request's
-    blocks that lie wholly inside the tokens it computes (in every layer the attention site
-    writes a step's K/V before it reads the cache, so such a block is never read unwritten)."""
+    blocks that lie wholly inside the tokens it computes, in every block-table group (in
+    every layer the attention site writes a step's K/V before it reads the cache, so such a
+    block is never read unwritten)."""
     if not fresh:
         return []
     bs, wanted, full = kv.block_size, set(fresh), []
@@ -120,13 +127,14 @@ def blocks_written_in_full(out: SchedulerOutput, kv: KVCacheManager,
         if sched.num_tokens < bs:
             continue
         start = sched.request.num_computed_tokens
-        table = kv.block_table_view(sched.request.request_id)
-        full += [b for b in table[-(-start // bs):(start + sched.num_tokens) // bs]
-                 if b in wanted]
+        for m in kv.groups:
+            table = m.block_table_view(sched.request.request_id)
+            full += [b for b in table[-(-start // bs):(start + sched.num_tokens) // bs]
+                     if b in wanted]
     return full
 
 
-def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, kv: KVCache) -> StepInputs:
     """One row per scheduled request; a logits index (and sampled request) per request that
     completes in this step, followed by one per sibling forking from it (out.forks): they
     sample from its row, each with its own SamplingParams and seed. A request that wants
@@ -139,13 +147,16 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     start + j + 1 positions of the same block table (the step writes every row's KV before
     any row attends, so row j sees the drafts before it): a verify step is a decode step of
     more rows, on the decode kernels and programs. Each row is sampled (sample_offsets j).
-    Every row carries its request's LoRA slot (request.lora_slot, -1: none)."""
-    s = StepInputs()
+    Every row carries its request's LoRA slot (request.lora_slot, -1: none). A hybrid model's
+    other block-table groups get their slots and tables row for row (group_slots/tables)."""
+    main, *others = kv.groups
+    s = StepInputs(group_slots=[[] for _ in others], group_tables=[[] for _ in others])
     for sched in out.scheduled:
         r, n, drafts = sched.request, sched.num_tokens, sched.draft_token_ids
         start, stop = r.num_computed_tokens, r.num_computed_tokens + n
         if drafts:
-            _verify_rows(s, r, drafts, start, kv)
+            _verify_rows(s, r, drafts, start, main)
+            _group_rows(s, others, r, start, start + len(drafts) + 1, len(drafts) + 1)
             continue
         known = r.num_known_tokens
         if stop > known:   # its pending token (async scheduling): fed on the device
@@ -163,8 +174,9 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
                 s.prompt_spans.append((r, first, last - first))
         s.token_ids += r.token_ids_slice(start, stop)
         s.positions += range(start, stop)
-        s.slot_mapping += kv.slot_mapping(r, start, stop)
-        s.block_tables.append(kv.block_table_view(r.request_id))
+        s.slot_mapping += main.slot_mapping(r, start, stop)
+        s.block_tables.append(main.block_table_view(r.request_id))
+        _group_rows(s, others, r, start, stop, 1)
         s.row_request_ids.append(r.request_id)
         s.row_lora_slots.append(r.lora_slot)
         s.seq_lens.append(stop)
@@ -180,6 +192,15 @@ def build_step_inputs(out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
     while s.num_decodes < len(s.query_lens) and s.query_lens[s.num_decodes] == 1:
         s.num_decodes += 1
     return s
+
+
+def _group_rows(s: StepInputs, others: Sequence[KVCacheManager], r: Request, start: int,
+                stop: int, rows: int) -> None:
+    """The slots of positions start..stop-1 and `rows` rows of the request's table in each
+    block-table group after the first."""
+    for g, m in enumerate(others):
+        s.group_slots[g] += m.slot_mapping(r, start, stop)
+        s.group_tables[g] += [m.block_table_view(r.request_id)] * rows
 
 
 def _verify_rows(s: StepInputs, r: Request, drafts: Sequence[int], start: int,

@@ -2,7 +2,9 @@
 
 Conventions (relied on by passes and lowering):
 - placeholders: `input_ids` [T], `positions` [T], `attn_meta` (AttentionMetadata),
-  `logits_indices` [num_seqs_to_sample], and `kv_cache_<layer>` per layer;
+  `logits_indices` [num_seqs_to_sample], and `kv_cache_<layer>` per layer; a hybrid model
+  (block-table groups, tessellm.cache.kv_groups) has one `attn_meta_<group>` more per group
+  after the first, read by that group's attention nodes (`StepPlaceholders.meta_of`);
 - `get_attr` nodes name a key of `ModelGraph.weights`: a tensor, or a PackedWeight that only
   `linear_packed` / `embedding_packed` read (the builder picks the op from the weight);
 - device-op nodes are call_function nodes whose target is in `graph.ops`; their
@@ -20,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from tessellm.graph import ops
-from tessellm.graph.plan import KV_CACHE_FEED
+from tessellm.graph.plan import KV_CACHE_FEED, attn_meta_feed
 from tessellm.quant.formats import PackedWeight
 
 
@@ -47,6 +49,11 @@ class StepPlaceholders:
     attn_meta: fx.Node
     logits_indices: fx.Node
     kv_caches: tuple[fx.Node, ...]
+    layer_metas: tuple[fx.Node, ...]   # per layer: the metadata of its block-table group
+
+    def meta_of(self, layer: int) -> fx.Node:
+        """The attention metadata `layer`'s attention node reads."""
+        return self.layer_metas[layer]
 
 
 class GraphBuilder:
@@ -59,11 +66,16 @@ class GraphBuilder:
     def input(self, name: str) -> fx.Node:
         return self.graph.placeholder(name)
 
-    def step_inputs(self, num_layers: int) -> StepPlaceholders:
-        return StepPlaceholders(
-            self.input("input_ids"), self.input("positions"), self.input("attn_meta"),
-            self.input("logits_indices"),
-            tuple(self.input(KV_CACHE_FEED.format(layer=i)) for i in range(num_layers)))
+    def step_inputs(self, num_layers: int, layer_groups: tuple[int, ...] = ()
+                    ) -> StepPlaceholders:
+        """`layer_groups`: each layer's block-table group (default: all in group 0)."""
+        ids, positions, meta, logits = (self.input("input_ids"), self.input("positions"),
+                                        self.input("attn_meta"), self.input("logits_indices"))
+        caches = tuple(self.input(KV_CACHE_FEED.format(layer=i)) for i in range(num_layers))
+        groups = {0: meta} | {g: self.input(attn_meta_feed(g))
+                              for g in sorted(set(layer_groups)) if g}
+        metas = tuple(groups[g] for g in layer_groups) if layer_groups else (meta,) * num_layers
+        return StepPlaceholders(ids, positions, meta, logits, caches, metas)
 
     def weight(self, name: str) -> fx.Node:
         if name not in self.weights:

@@ -14,8 +14,20 @@ from typing import Any, Callable, Protocol
 # What every step feeds a plan's `run` (and a plan `DevicePlugin.compile` returns): token ids
 # [T] int64, positions [T] int64, the AttentionMetadata, the rows whose logits are returned
 # [R] int64, and each layer's KV cache under KV_CACHE_FEED.format(layer=i).
+# A hybrid model's graph has one more metadata feed per block-table group after the first
+# (attn_meta_feed(g); tessellm.cache.kv_groups), its layers' tables and slots.
 STEP_FEEDS = ("input_ids", "positions", "attn_meta", "logits_indices")
 KV_CACHE_FEED = "kv_cache_{layer}"
+
+
+def attn_meta_feed(group: int) -> str:
+    """The name of block-table group `group`'s attention metadata feed."""
+    return f"attn_meta_{group}" if group else "attn_meta"
+
+
+def group_meta_feeds(inputs: dict[str, int]) -> list[tuple[str, int]]:
+    """(name, group) of each metadata feed past the first among a plan's inputs."""
+    return [(name, g) for g in range(1, len(inputs)) if (name := attn_meta_feed(g)) in inputs]
 
 
 @dataclass(frozen=True, slots=True)

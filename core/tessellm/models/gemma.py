@@ -184,7 +184,7 @@ def build_gemma_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
     if not isinstance(spec, GemmaSpec):
         raise UnsupportedModelError(f"the Gemma graph needs a GemmaSpec, got {type(spec)}")
     b = GraphBuilder(weights)
-    inp = b.step_inputs(spec.num_layers)
+    inp = b.step_inputs(spec.num_layers, spec.kv_layout.layer_groups)
     h = spec.hidden_size
     norm = {"hidden": h}
     cos_sin = b.weight(COS_SIN)
@@ -214,7 +214,7 @@ def build_gemma_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
                   dims=spec.attention_dims, role="rope", layer=i)
         attn_dims, attn_extra = spec.layer_attention(i)
         attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, inp.kv_caches[i],
-                    inp.attn_meta, spec.attention_scale, *attn_extra, dims=attn_dims,
+                    inp.meta_of(i), spec.attention_scale, *attn_extra, dims=attn_dims,
                     role="attention", layer=i)
         o = b.linear(attn, f"{p}.self_attn.o_proj", role="o_proj", layer=i, bias=spec.o_bias)
         o = rms(o, f"{p}.post_attention_layernorm.weight", "post_attention_norm", i)

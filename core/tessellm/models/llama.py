@@ -43,7 +43,7 @@ def dense_mlp(b: GraphBuilder, n: fx.Node, spec: ModelSpec, layer: int, prefix: 
 
 def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> ModelGraph:
     b = GraphBuilder(weights)
-    inp = b.step_inputs(spec.num_layers)
+    inp = b.step_inputs(spec.num_layers, spec.kv_layout.layer_groups)
     h = spec.hidden_size
     norm = {"hidden": h}
     cos_sin = b.weight(COS_SIN)
@@ -67,7 +67,7 @@ def build_llama_graph(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> Mode
                   dims=spec.attention_dims, role="rope", layer=i)
         attn_dims, attn_extra = spec.layer_attention(i)   # a sliding window, if any
         attn = b.op(ops.attention, b.item(qk, 0), b.item(qk, 1), v, inp.kv_caches[i],
-                    inp.attn_meta, spec.attention_scale, *attn_extra, dims=attn_dims,
+                    inp.meta_of(i), spec.attention_scale, *attn_extra, dims=attn_dims,
                     role="attention", layer=i)
         o = b.linear(attn, f"{p}.self_attn.o_proj", role="o_proj", layer=i, bias=spec.o_bias)
         x = b.op(ops.add, o, x, dims=norm, role="attn_residual", layer=i)

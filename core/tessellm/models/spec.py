@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tessellm.cache.kv_groups import KVCacheLayout
 from tessellm.errors import UnsupportedModelError
 from tessellm.models.rope_scaling import context_length, rope_cos_sin, scaling_type
 
@@ -64,6 +65,12 @@ class ModelSpec:
         window, cap = self.layer_window(layer), self.attn_logit_softcap
         dims = {**self.attention_dims, **attention_feature_dims(window, cap)}
         return dims, ((window, cap) if window or cap else ())
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """The model's block-table groups and KV tensors (tessellm.cache.kv_groups): several
+        groups where windowed and full layers mix (Gemma 2 / 3)."""
+        return KVCacheLayout.of([self.layer_window(i) for i in range(self.num_layers)])
 
     @property
     def all_layers_windowed(self) -> bool:

@@ -30,7 +30,8 @@ class BlockOps(msgspec.Struct, tag="block_ops"):
 
 class Batch(msgspec.Struct, tag="batch"):
     """One forward pass on the wire: the leader's ForwardRows (tessellm.engine.step_inputs)
-    field by field and the block table's [rows, width] int32 bytes."""
+    field by field and the block table's [rows, width] int32 bytes (a hybrid model's other
+    block-table groups: their tables and slot mappings too)."""
 
     token_ids: list[int]
     positions: list[int]
@@ -44,18 +45,21 @@ class Batch(msgspec.Struct, tag="batch"):
     pad: tuple[int, int, bool] | None = None
     tables: bytes = b""
     lora_slots: list[int] = []
+    group_slots: list[list[int]] = []
+    group_tables: list[bytes] = []
 
     @classmethod
-    def of(cls, rows: ForwardRows, tables: bytes) -> Batch:
+    def of(cls, rows: ForwardRows, tables: bytes, group_tables: list[bytes]) -> Batch:
         return cls(rows.token_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
                    rows.query_lens, rows.logits_indices, rows.num_decodes, rows.rows,
-                   rows.width, rows.pad, tables, rows.lora_slots)
+                   rows.width, rows.pad, tables, rows.lora_slots, rows.group_slots,
+                   group_tables)
 
     def forward_rows(self) -> ForwardRows:
         return ForwardRows(self.token_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.query_lens, self.logits_indices, self.num_decodes, self.rows,
                            self.width, None if self.pad is None else tuple(self.pad),
-                           self.lora_slots)
+                           self.lora_slots, self.group_slots)
 
 
 class LoRALoad(msgspec.Struct, tag="lora_load"):

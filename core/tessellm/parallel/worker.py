@@ -62,7 +62,7 @@ def serve_steps(config: EngineConfig, group: ParallelGroup) -> None:
             lora.load_into(message.slot, LoRARequest(message.name, message.int_id, message.path))
         elif isinstance(message, Batch):
             _, uploaded = runner.run_rows(message.forward_rows(), swapped_in,
-                                          tables=message.tables)
+                                          tables=[message.tables, *message.group_tables])
             swapped_in = None
             runner.wait(uploaded)   # its staging buffers are rewritten by the next batch
         else:

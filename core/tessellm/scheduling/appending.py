@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.cache.kv_groups import KVCache
 from tessellm.request import FinishReason, Request
 from tessellm.scheduling.output import ScheduledRequest
 
@@ -16,7 +16,7 @@ def append_token(request: Request, token_id: int, max_model_len: int) -> None:
         request.finish(FinishReason.LENGTH)
 
 
-def append_verified(kv: KVCacheManager, s: ScheduledRequest, accepted: Sequence[int],
+def append_verified(kv: KVCache, s: ScheduledRequest, accepted: Sequence[int],
                     token_id: int, running: bool, max_model_len: int) -> None:
     """A verify entry's outcome: the accepted drafts, then the sampled token, appended until
     the request finishes; the accepted drafts' KV counts as computed (its full blocks are

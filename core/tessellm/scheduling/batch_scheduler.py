@@ -60,7 +60,7 @@ from collections import Counter
 from typing import Callable
 
 from tessellm.cache.host_pool import SwapSpace
-from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.cache.kv_groups import KVCache
 from tessellm.cache.prefix_cache import PrefixCacheStats
 from tessellm.request import Request, RequestStatus
 from tessellm.scheduling.output import ScheduledRequest, SchedulerError, SchedulerOutput
@@ -91,7 +91,7 @@ class BatchScheduler:
     __slots__ = ("kv", "requests", "max_num_batched_tokens", "running", "_preempt",
                  "_prefix_stats", "swap", "max_loras")
 
-    def __init__(self, kv: KVCacheManager, requests: RequestScheduler,
+    def __init__(self, kv: KVCache, requests: RequestScheduler,
                  max_num_batched_tokens: int, preempt: Callable[[Request], None],
                  prefix_stats: PrefixCacheStats, swap: SwapSpace | None = None,
                  max_loras: int = 0) -> None:
@@ -236,15 +236,15 @@ class BatchScheduler:
               ) -> bool:
         """Whether allocate_slots(request, n, hits) would succeed once `evicted` released
         their blocks: a block becomes free when every table holding it is evicted."""
-        pool, null = self.kv.pool, KVCacheManager.NULL_BLOCK
+        pool = self.kv.pool
         freed: set[int] = set()
         if evicted:
-            held = Counter(b for t in evicted for b in self.kv.block_table(t.request_id)
-                           if b != null)
+            held = Counter(b for t in evicted for b in self.kv.held_blocks(t.request_id))
             freed = {b for b, c in held.items() if pool.ref_count(b) == c}
         # computed tokens: none, or those a swapped-out request kept (it has no hits then);
-        # with a sliding window only the blocks inside it (tessellm.cache.kv_manager)
-        held_hits, missing = self.kv.new_table_plan(request, n, hits)
+        # with a sliding window only the blocks inside it (tessellm.cache.sliding_window);
+        # every block-table group's (tessellm.cache.kv_groups: one pool, global block ids)
+        held_hits, missing = self.kv.growth(request, n, hits)
         revived = sum(1 for b in held_hits if b in freed or pool.ref_count(b) == 0)
         return missing + revived <= self.kv.num_free_blocks + len(freed)
 

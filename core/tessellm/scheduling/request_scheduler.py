@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from tessellm.cache.kv_manager import KVCacheManager
+from tessellm.cache.kv_groups import KVCache
 from tessellm.errors import ConfigError, InvalidRequestError
 from tessellm.request import Request, RequestStatus, max_kv_tokens
 
@@ -63,10 +63,12 @@ class Ticket:
 
 class RequestScheduler:
     __slots__ = ("priority_levels", "aging_interval_steps", "max_model_len", "_kv", "_tickets",
-                 "_heaps", "_num_waiting", "_next_arrival", "step")
+                 "_heaps", "_num_waiting", "_next_arrival", "step", "_step_tokens")
 
     def __init__(self, priority_levels: int, aging_interval_steps: int, max_model_len: int,
-                 kv: KVCacheManager) -> None:
+                 kv: KVCache, step_tokens: int = 0) -> None:
+        """`step_tokens`: the most tokens a step computes (a windowed block-table group holds
+        at most its window's bound for it; 0: one)."""
         if not isinstance(priority_levels, int) or not 1 <= priority_levels <= MAX_PRIORITY_LEVELS:
             raise ConfigError(f"priority_levels must be an integer in 1..{MAX_PRIORITY_LEVELS}, "
                               f"got {priority_levels!r}")
@@ -77,6 +79,7 @@ class RequestScheduler:
         self.aging_interval_steps = aging_interval_steps
         self.max_model_len = max_model_len
         self._kv = kv
+        self._step_tokens = step_tokens
         self._tickets: dict[str, Ticket] = {}
         self._heaps: list[list[tuple[int, Ticket]]] = [[] for _ in range(priority_levels)]
         self._num_waiting = 0
@@ -107,9 +110,9 @@ class RequestScheduler:
         assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0, rid
         assert 0 <= request.priority < self.priority_levels, (rid, request.priority)
         assert 0 < request.num_prompt_tokens < self.max_model_len, rid
-        assert self._kv.num_blocks_needed(max_kv_tokens(
-            request.num_prompt_tokens, request.params.max_tokens, self.max_model_len)) \
-            <= self._kv.num_blocks, rid
+        assert self._kv.max_held_blocks(max_kv_tokens(
+            request.num_prompt_tokens, request.params.max_tokens, self.max_model_len),
+            self._step_tokens) <= self._kv.num_blocks, rid
 
     def adopt(self, request: Request, level: int) -> Ticket:
         """A ticket for a request that starts running without queueing (a forked sibling,
