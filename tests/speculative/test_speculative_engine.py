@@ -257,6 +257,19 @@ def test_verify_steps_wider_than_the_decode_programs_run_eagerly(stories_dir):
     assert llm.engine.parts.selector.chosen() == chosen   # nothing chosen while serving
 
 
+def test_a_token_budget_below_the_verify_rows_keeps_the_tokens(stories_dir):
+    """8 sequences x (1 + 4) rows is 40 rows, past a 16-token step budget: the engine starts
+    (decode graphs and buffers are made for steps the budget allows) and verify steps are
+    cut to the budget, with the tokens of the engine without speculation."""
+    prompts = [f"{PROMPTS[1]} {i}" for i in range(8)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    limits = dict(max_num_seqs=8, max_num_batched_tokens=16)
+    want = tokens(LLM(str(stories_dir), **BASE, **limits), prompts, params)
+    llm = speculating(stories_dir, **limits)
+    assert tokens(llm, prompts, params) == want
+    assert llm.engine.speculator.stats.verify_steps > 0
+
+
 def test_async_scheduling_speculates_and_keeps_the_tokens(stories_dir, plain):
     """With async scheduling a step stays in flight only when the speculator does not want
     its ids: requests still get drafts, and the tokens are the plain engine's."""
