@@ -19,7 +19,8 @@ import pytest
 from hf_fixtures import CASES, build_hf_model, hf_greedy, save_model_dir
 from tessellm import SamplingParams
 from tessellm.errors import ConfigError
-from window_fixtures import BLOCK, WINDOW, Recorder, bound, make, no_release  # noqa: F401
+from window_fixtures import (BLOCK, WINDOW, Recorder, bound, make, no_release,  # noqa: F401
+                             run_mixed, tokens_alone)
 
 
 def _case(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
@@ -103,25 +104,13 @@ def test_concurrent_preempted_forked_and_cached_requests_match_alone(
                num_host_kv_blocks=96 if mode == "swap" else None,
                async_scheduling=async_scheduling)
     rec = Recorder(llm, 24 if async_scheduling else 0)
-    first = llm.generate([prompts[0]], params[0])[0].token_ids   # fills the prefix cache
-    outs = llm.generate(prompts[1:], params[1:], n=None)
-    forked = llm.generate([prompts[4]], params[4], n=2)[0]
-    eng = llm.engine
-    assert eng.scheduler.prefix_cache_hits > 0
-    assert eng.stats.num_preemptions > 0
-    if mode == "swap":
-        assert eng.stats.num_swapped_out_blocks > 0
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    got, forked = run_mixed(llm, prompts, params, fork=4, swap=mode == "swap")
     assert rec.most_in_use <= 48
 
     no_release()
-    if not ALONE:
-        alone = make(path, cache_dir)
-        ALONE.extend(alone.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params))
-    want = ALONE
-    assert first == want[0]
-    assert [o.token_ids for o in outs] == want[1:]
-    assert [s.token_ids for s in forked.samples] == [want[4], want[4]]
+    want = tokens_alone(ALONE, path, cache_dir, prompts, params)
+    assert got == want
+    assert forked == [want[4], want[4]]
 
 
 def test_ngram_speculation_trims_every_group_and_changes_no_token(

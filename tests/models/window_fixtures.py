@@ -1,7 +1,8 @@
 """Helpers of the sliding-window engine tests (test_sliding_window_engine.py: every layer
 windowed; test_hybrid_window_engine.py: Gemma's windowed and full layers): engines with the
 same step limits, the window's block bound, a recorder of the blocks each request holds per
-block-table group, and a switch that makes engines hold every block."""
+block-table group, a switch that makes engines hold every block, and the mixed workload both
+files run under preemption."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tessellm import LLM
+from tessellm import LLM, SamplingParams
 from tessellm.cache.kv_groups import KVCacheLayout
 from tessellm.models.spec import ModelSpec
 
@@ -75,3 +76,31 @@ def no_release(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(ModelSpec, "kv_layout", property(
             lambda self: KVCacheLayout.of([0] * self.num_layers)))
     return off
+
+
+def run_mixed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], fork: int,
+              swap: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """The first prompt alone (it fills the prefix cache), the rest at once, then prompt
+    `fork` again with n = 2. Checks that prefix hits and preemptions (swaps when `swap`)
+    happened and every block is free again; returns the tokens in prompt order and the
+    fork's two samples."""
+    first = llm.generate([prompts[0]], params[0])[0].token_ids
+    outs = llm.generate(prompts[1:], params[1:], n=None)
+    forked = llm.generate([prompts[fork]], params[fork], n=2)[0]
+    eng = llm.engine
+    assert eng.scheduler.prefix_cache_hits > 0
+    assert eng.stats.num_preemptions > 0
+    if swap:
+        assert eng.stats.num_swapped_out_blocks > 0
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    return [first] + [o.token_ids for o in outs], [s.token_ids for s in forked.samples]
+
+
+def tokens_alone(memo: list[list[int]], path: Path, cache_dir: Path,
+                 prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Each prompt's greedy tokens alone in a fresh engine, computed once into `memo` (a
+    module's list: every parametrization of a test compares against the same run)."""
+    if not memo:
+        alone = make(path, cache_dir)
+        memo.extend(alone.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params))
+    return memo
