@@ -157,11 +157,13 @@ class KVCacheGroups:
         if take + sum(pool.ref_count(b) == 0 for b in held) > pool.num_free_blocks:
             return False
         pool.incref(held)   # first: no group's allocation may evict another group's hit
-        for m, hits in zip(self._groups, per_group):
-            if not m.allocate_slots(request, num_new_tokens, hits):
-                raise KVCacheError(f"request {request.request_id!r}: a group could not "
-                                   f"allocate what the shared pool was checked to hold")
-        pool.free(held)     # the tables hold them now
+        try:
+            for m, hits in zip(self._groups, per_group):
+                if not m.allocate_slots(request, num_new_tokens, hits):
+                    raise KVCacheError(f"request {request.request_id!r}: a group could not "
+                                       f"allocate what the shared pool was checked to hold")
+        finally:
+            pool.free(held)     # the tables hold them now (or the error stands)
         return True
 
     def cache_full_blocks(self, request: SequenceState, num_computed: int | None = None
