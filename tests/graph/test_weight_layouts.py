@@ -164,6 +164,20 @@ def test_mixed_layouts_unify_on_the_one_that_loses_least() -> None:
     torch.testing.assert_close(site.fn_for(2)(x, w), x @ w.t())
 
 
+def test_plain_weights_win_when_a_layout_loses_more() -> None:
+    """Decode buckets chose the plain kernel, 50x faster there than the layout's (a native
+    kernel against oneDNN's prepacked one on a MoE router); a prefill bucket chose the layout
+    by 1.3x. The plain form loses 1.3 summed, the layout 100: every bucket reads plain."""
+    site = _two_layout_site({1: {"ref_linear": 5, "linear_t": 250, "linear_t2": 300},
+                             2: {"ref_linear": 5, "linear_t": 250, "linear_t2": 300},
+                             1024: {"ref_linear": 130, "linear_t": 100, "linear_t2": 140}})
+    assert site._kernels[1024].name == "linear_t"
+    site.unify_layout()
+    assert {b: k.name for b, k in site._kernels.items()} == {1: "ref_linear", 2: "ref_linear",
+                                                             1024: "ref_linear"}
+    assert site.sole_layout() is None
+
+
 def test_slowdown_is_a_ratio_to_the_fastest_correct_kernel() -> None:
     site = _two_layout_site({8: {"ref_linear": 40, "linear_t": 10, "linear_t2": 25}})
     query = KernelQuery("linear", torch.float32, 8, LINEAR_DIMS)

@@ -165,6 +165,31 @@ def test_quantized_moe_gguf_keeps_experts_packed(name: str, files, tmp_path: Pat
         torch.testing.assert_close(n_logits, h_logits, atol=1e-4, rtol=0)
 
 
+def test_q8_activations_reach_the_experts(files, tmp_path: Path, cache_dir: Path) -> None:
+    """packed_activations="q8_0" on a MoE file: the experts op becomes fused_moe_packed_q8act
+    too; its C (VNNI) kernel and its torch form give the same tokens (logits within the
+    effect of one int8 rounding step, as tests/engine/test_quantization.py explains), and
+    against float activations the logits move by the rounding."""
+    hf, _ = files["qwen3_moe"]
+    path = write_gguf(tmp_path / "qwen3_moe-q8.gguf", hf, CASES["qwen3_moe"][0], qtype="Q8_0")
+    float_logits, _ = _ours(_llm(path, cache_dir), PROMPTS[0])
+    runs = []
+    for kernel in ("fused_moe_q8act_vnni", "fused_moe_packed_q8act_torch"):
+        llm = _llm(path, cache_dir, packed_activations="q8_0",
+                   kernel_selection={"fused_moe_packed_q8act": kernel})
+        report = llm.engine.parts.pass_report
+        assert {"q8_activations", "q8_activations_experts"} <= set(report.applied)
+        labels = llm.engine.parts.plan.describe()
+        assert sum("ops.fused_moe_packed_q8act]" in x for x in labels) == \
+            hf.config.num_hidden_layers
+        assert not any("ops.fused_moe_packed]" in x for x in labels)
+        runs.append(_ours(llm, PROMPTS[0]))
+    (a_logits, a_tokens), (b_logits, b_tokens) = runs
+    assert a_tokens == b_tokens
+    torch.testing.assert_close(a_logits, b_logits, atol=0.3, rtol=0)
+    assert 1e-4 < (a_logits - float_logits).abs().max().item() < 1.0
+
+
 def test_moe_gguf_with_bad_expert_counts_is_a_load_error(files, tmp_path: Path) -> None:
     import gguf
     hf, _ = files["qwen3_moe"]

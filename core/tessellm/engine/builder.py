@@ -26,7 +26,7 @@ from tessellm.kernels.registry import KernelRegistry
 from tessellm.lora.sites import LoRASite, add_lora_sites
 from tessellm.graph.passes.dead_code import remove_dead_code
 from tessellm.graph.passes.quantize_linears import quantize_linears
-from tessellm.graph.passes.q8_activations import q8_activations
+from tessellm.graph.passes.q8_activations import q8_activations, q8_activations_experts
 from tessellm.graph import ops
 from tessellm.models.hf_files import eos_token_ids
 from tessellm.models.architectures import resolve_architecture
@@ -93,6 +93,7 @@ class EngineParts:
 
 PACKED_OPS = ("linear_packed", "embedding_packed")
 Q8ACT_OP = "linear_packed_q8act"
+Q8ACT_EXPERTS_OP = "fused_moe_packed_q8act"
 DEAD_CODE = GraphPass("remove_dead_code", remove_dead_code)
 QUANTIZE_AT_LOAD = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
 
@@ -299,8 +300,9 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         if not registry.has_op(device.name, Q8ACT_OP):
             raise ConfigError(f"packed_activations='q8_0': device {device.name!r} has no "
                               f"{Q8ACT_OP} kernel")
-        q8 = GraphPass("q8_activations", q8_activations, (Q8ACT_OP,))
-        passes = passes[:-1] + [q8] + passes[-1:] if passes else [q8, DEAD_CODE]
+        q8 = [GraphPass("q8_activations", q8_activations, (Q8ACT_OP,)),
+              GraphPass("q8_activations_experts", q8_activations_experts, (Q8ACT_EXPERTS_OP,))]
+        passes = passes[:-1] + q8 + passes[-1:] if passes else q8 + [DEAD_CODE]
     passes = passes[:-1] + list(plugins.graph_passes()) + (extra_passes or []) + passes[-1:]
     lora_sites: list[LoRASite] = []
     if config.enable_lora:   # last before dead-code removal: one site per final linear
@@ -310,6 +312,10 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         raise ConfigError("packed_activations='q8_0' applies to packed weights (a GGUF file "
                           "with quantization auto, or quantization int8/q8_0/q4_0/q4_1); "
                           "this model has none")
+    if config.packed_activations == "q8_0" and graph.op_nodes(ops.fused_moe_packed):
+        log.warning("packed_activations='q8_0': device %r has no %s kernel, so the MoE "
+                    "experts take float activations (the other packed linears int8)",
+                    device.name, Q8ACT_EXPERTS_OP)
     if config.enable_lora and not lora_sites:
         raise ConfigError(f"enable_lora: model {spec.architecture!r} has no linear an adapter "
                           "can target (q/k/v/o/gate/up/down projections of a Llama-style "

@@ -102,23 +102,26 @@ class KernelSite:
 
     def unify_layout(self) -> None:
         """Make every chosen bucket read one weight form, so the site never holds two. Of the
-        layouts the buckets chose, the one whose kernels lose least against each bucket's own
-        choice (time ratios summed over the buckets; ties by name) takes every bucket, each
-        on its fastest correct kernel of that layout; if no layout serves every bucket,
-        every bucket goes back to plain kernels."""
+        forms the buckets chose (plain weights among them when some bucket chose a plain
+        kernel), the one whose kernels lose least against each bucket's own choice (time
+        ratios summed over the buckets; ties: plain first, then by name) takes every bucket,
+        each on its fastest correct kernel of that form; if no layout serves every bucket,
+        every bucket goes back to plain kernels. (A form is never won by a few slow buckets'
+        neighbours: a prefill bucket's prepacked layout does not move the decode buckets off
+        a native kernel 50x faster there.)"""
         layouts = {k.weight_layout for k in self._kernels.values()}
         if len(layouts) < 2:
             return
-        options = sorted((lay for lay in layouts if lay is not None), key=lambda lay: lay.name)
+        options = sorted(layouts, key=lambda lay: "" if lay is None else "~" + lay.name)
         cost, layout = min(((self._layout_cost(lay), i), lay) for i, lay in enumerate(options))
         if cost[0] == float("inf"):
             self.use_plain()
             return
         self._rebind(lambda k: k.weight_layout == layout)
 
-    def _layout_cost(self, layout: WeightLayout) -> float:
-        """Summed over the chosen buckets: how many times slower the layout's best kernel is
-        than the bucket's best of all (inf if some bucket has none)."""
+    def _layout_cost(self, layout: WeightLayout | None) -> float:
+        """Summed over the chosen buckets: how many times slower the form's best kernel is
+        than the bucket's best of all (inf if some bucket has none; None: plain weights)."""
         return sum(self.selector.slowdown(KernelQuery(self.op, self.dtype, b, self.dims),
                                           lambda k: k.weight_layout == layout)
                    for b in self._kernels)

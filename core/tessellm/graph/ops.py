@@ -92,6 +92,10 @@ def fused_moe_packed(x, w13, w2, topk_weights, topk_ids):
     return ref.fused_moe_packed(x, w13, w2, topk_weights, topk_ids)
 
 
+def fused_moe_packed_q8act(x, w13, w2, topk_weights, topk_ids):
+    return ref.fused_moe_packed_q8act(x, w13, w2, topk_weights, topk_ids)
+
+
 def sigmoid_gate(gate_logits, y):
     return ref.sigmoid_gate(gate_logits, y)
 
@@ -182,7 +186,7 @@ DEVICE_OPS: dict[Callable, str] = {
         fused_add_rms_norm, layer_norm, add, mul, silu,
         silu_and_mul, gelu_tanh, mul_scalar, logit_softcap,
         rotary_embedding, moe_router, fused_moe, fused_moe_packed,
-        sigmoid_gate, lora_add)
+        fused_moe_packed_q8act, sigmoid_gate, lora_add)
 }
 COMPOSITE_OPS: dict[Callable, tuple[str, ...]] = {
     attention: ("write_kv_cache", "attention_decode", "attention_prefill"),

@@ -13,7 +13,8 @@ import torch
 
 from tessellm.quant.formats import packed_example, packed_format
 
-MOE_OPS = ("moe_router", "fused_moe", "fused_moe_packed", "sigmoid_gate")
+MOE_OPS = ("moe_router", "fused_moe", "fused_moe_packed", "fused_moe_packed_q8act",
+           "sigmoid_gate")
 
 
 def skewed_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator

@@ -18,4 +18,5 @@ REQUIRED_OPS = frozenset({
 OPTIONAL_OPS = frozenset({
     "fused_add_rms_norm", "silu_and_mul",
     "embedding_packed", "linear_packed", "linear_packed_q8act", "fused_moe_packed",
+    "fused_moe_packed_q8act",
     "sample_tokens", "greedy_tokens", "apply_token_bitmask", "lora_add"})

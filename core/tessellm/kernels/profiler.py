@@ -46,6 +46,19 @@ from tessellm.kernels.registry import Kernel, KernelQuery, KernelRegistry
 log = logging.getLogger(__name__)
 
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 5e-3), torch.bfloat16: (1.6e-2, 5e-2)}
+# Ops whose kernels round an intermediate they compute themselves to int8 (a silu-and-mul row
+# before the int8 down projection): a value an ulp from a rounding boundary may land one
+# level over in the kernel and not in the reference (C's expf against torch's sigmoid), which
+# moves that token's row by about a level of the block (~1e-3 of the output's scale). Their
+# absolute tolerance is at least this; a wrong expert, row or scale is off by the outputs
+# themselves (order 1 on the example inputs).
+ROUNDED_INTERMEDIATE_ATOL = {"fused_moe_packed_q8act": 1e-2}
+
+
+def check_tolerance(op: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) a kernel of `op` must meet against the reference op in `dtype`."""
+    rtol, atol = TOLERANCES.get(dtype, (1e-5, 1e-4))
+    return rtol, max(atol, ROUNDED_INTERMEDIATE_ATOL.get(op, 0.0))
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -244,7 +257,7 @@ class KernelSelector:
         args = make_example(query, self.torch_device, self._example_weights)
         ref_args = _clone_args(args)
         expected = _outputs(query.op, ref_args, REFERENCE_OPS[query.op](*ref_args))
-        rtol, atol = TOLERANCES.get(query.dtype, (1e-5, 1e-4))
+        rtol, atol = check_tolerance(query.op, query.dtype)
         checked = [self._check(k, query.op, args, expected, rtol, atol) for k in candidates]
         rejected = [c for c, _ in checked if not c.correct]
         timed = [(c, k_args) for c, k_args in checked if c.correct]

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.reference_lora import lora_add
-from tessellm.kernels.reference_moe import fused_moe, fused_moe_packed, moe_router, sigmoid_gate
+from tessellm.kernels.reference_moe import (fused_moe, fused_moe_packed,
+                                            fused_moe_packed_q8act, moe_router, sigmoid_gate)
 from tessellm.quant.formats import PackedWeight, dequantize
 
 
@@ -326,6 +327,7 @@ REFERENCE_OPS = {
     "moe_router": moe_router,
     "fused_moe": fused_moe,
     "fused_moe_packed": fused_moe_packed,
+    "fused_moe_packed_q8act": fused_moe_packed_q8act,
     "sigmoid_gate": sigmoid_gate,
     "lora_add": lora_add,
 }

@@ -90,6 +90,21 @@ def fused_moe_packed(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight,
     return out.to(x.dtype)
 
 
+def fused_moe_packed_q8act(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight,
+                           topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe_packed with int8 activations (EngineConfig.packed_activations = "q8_0"):
+    each expert linear's input rows (the token's x for gate/up, its silu-and-mul row for
+    down) rounded to q8_0 blocks first, as linear_packed_q8act does; llama.cpp's way of
+    running a quantized MoE layer."""
+    from tessellm.kernels.reference import linear_packed_q8act
+    H = x.shape[-1]
+    E, inter = expert_count(w2, H), w2.shape[1]
+    out = _mixture(x.float(), topk_weights, topk_ids, E, lambda e, rows: linear_packed_q8act(
+        _silu_mlp(linear_packed_q8act(rows, expert_rows(w13, e, 2 * inter))),
+        expert_rows(w2, e, H)))
+    return out.to(x.dtype)
+
+
 def sigmoid_gate(gate_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """sigmoid(gate_logits) * y: gate_logits [T, 1] scales each row of y [T, H] (Qwen2-MoE's
     shared expert)."""

@@ -45,7 +45,7 @@ FEATURE_ROWS = {"gate_proj": "features", "up_proj": "features", "fc": "features"
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "features",       # input columns split
                 "shared_down_proj": "shared"}
 REPLICATED = ("router", "shared_expert_gate")                 # every rank the whole weight
-EXPERT_OPS = (ops.fused_moe, ops.fused_moe_packed)
+EXPERT_OPS = (ops.fused_moe, ops.fused_moe_packed, ops.fused_moe_packed_q8act)
 EMBED, LM_HEAD, POS_EMBED = "embed", "lm_head", "pos_embed"
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.kernels.examples import IN_PLACE_OUTPUT_ARG
-from tessellm.kernels.profiler import TOLERANCES
+from tessellm.kernels.profiler import check_tolerance
 from tessellm.kernels.reference import REFERENCE_OPS
 from tessellm.kernels.registry import Kernel
 from tessellm.quant.formats import PackedWeight
@@ -54,7 +54,8 @@ def _outputs(op: str, args: list[Any], result: Any) -> list[torch.Tensor]:
     return list(result) if isinstance(result, (tuple, list)) else [result]
 
 
-def _compare(got: Any, want: torch.Tensor, rows: int | None, dtype: torch.dtype) -> str | None:
+def _compare(got: Any, want: torch.Tensor, rows: int | None, dtype: torch.dtype,
+             op: str) -> str | None:
     """Why `got` is not the reference output `want` (None when it is)."""
     if not isinstance(got, torch.Tensor):
         return f"returned {type(got).__name__}, not a tensor"
@@ -70,7 +71,7 @@ def _compare(got: Any, want: torch.Tensor, rows: int | None, dtype: torch.dtype)
             bad = int((g != w).sum())
             return f"{bad} of {w.numel()} integer outputs differ from the reference"
         return None
-    rtol, atol = TOLERANCES.get(dtype, (1e-5, 1e-4))
+    rtol, atol = check_tolerance(op, dtype)
     if not torch.allclose(g.float(), w.float(), rtol=rtol, atol=atol):
         diff = (g.float() - w.float()).abs()
         worst = float(diff.nan_to_num(float("inf")).max()) if diff.numel() else 0.0
@@ -94,7 +95,7 @@ def run_case(kernel: Kernel, case: KernelCase, device: str) -> str | None:
     if len(got) != len(expected):
         return f"{len(got)} outputs, the reference has {len(expected)}"
     for i, (g, e) in enumerate(zip(got, expected)):
-        why = _compare(g, e, inputs.compare_rows, case.query.dtype)
+        why = _compare(g, e, inputs.compare_rows, case.query.dtype, kernel.op)
         if why is not None:
             return why if len(expected) == 1 else f"output {i}: {why}"
     return None

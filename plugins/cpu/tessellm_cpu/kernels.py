@@ -90,7 +90,7 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
     from tessellm_cpu.native_attention import NativeDecode, NativePrefill
     from tessellm_cpu.native_linear_f32 import NativeLinearF32
     from tessellm_cpu.native_lora import NativeLoRAAdd
-    from tessellm_cpu.native_moe import NativeMoEPacked, NativeMoeRouter
+    from tessellm_cpu.native_moe import NativeMoEPacked, NativeMoEQ8Act, NativeMoeRouter
     from tessellm_cpu.native_linear import (NativePackedEmbedding, NativePackedLinear,
                                             NativeQ8ActLinear)
     from tessellm_cpu.native_token_ops import (NativeEmbedding, NativeFusedAddRmsNorm,
@@ -126,7 +126,10 @@ def native_kernels(device: str, not_offered: dict[str, str] | None = None,
               "C, every row's shrink then expand by output blocks, one team call"),
              ("fused_moe_packed", "fused_moe_packed_native", NativeMoEPacked,
               "C, pairs sorted by expert, each chosen expert's blocks read once in place, "
-              "one team call per layer"))
+              "one team call per layer"),
+             ("fused_moe_packed_q8act", "fused_moe_q8act_vnni", NativeMoEQ8Act,
+              "C, as fused_moe_packed_native with int8 dot products (AVX-512 VNNI); each "
+              "token's row quantized once for all its experts"))
     return _built_kernels(specs, device, not_offered, recorder)
 
 
@@ -279,6 +282,10 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
         k("fused_moe", "fused_moe_grouped", moe.fused_moe_grouped,
           "tokens sorted by expert, one GEMM pair per chosen expert"),
         moe_packed_kernel(device, not_offered, amx),
+        k("fused_moe_packed_q8act", "fused_moe_packed_q8act_torch",
+          reference.fused_moe_packed_q8act,
+          "expert by expert: inputs rounded to int8 blocks, float32 matmuls over the "
+          "dequantized experts"),
         k("sigmoid_gate", "sigmoid_gate_torch", reference.sigmoid_gate),
         k("lora_add", "lora_add_grouped", lora.lora_add_grouped,
           "rows gathered per adapter, one GEMM pair per adapter present"),

@@ -1,6 +1,8 @@
-"""The C mixture-of-experts kernel over packed experts (native/moe_packed.c, op
-fused_moe_packed) as a team kernel: eager, or one node of a decode step's native program
-(tessellm_cpu.native_team), so a MoE layer costs one native call, not a Python loop."""
+"""The C mixture-of-experts kernels over packed experts as team kernels: eager, or one node
+of a decode step's native program (tessellm_cpu.native_team), so a MoE layer costs one native
+call, not a Python loop. `NativeMoEPacked` (native/moe_packed.c, op fused_moe_packed) takes
+float32 activations, `NativeMoEQ8Act` (native/moe_q8act.c, op fused_moe_packed_q8act) int8
+ones (AVX-512 VNNI); both read native/moe_pairs.h's arguments. Also the router."""
 from __future__ import annotations
 
 import ctypes
@@ -9,14 +11,14 @@ import torch
 
 from tessellm.plugin_api import KernelQuery, PackedWeight
 from tessellm_cpu.native_build import build_library
-from tessellm_cpu.native_linear import FLOAT_ACTIVATION_TYPES, NATIVE
+from tessellm_cpu.native_linear import FLOAT_ACTIVATION_TYPES, INT8_ACTIVATION_TYPES, NATIVE
 from tessellm_cpu.native_team import TeamEntry, TeamKernelC
 
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 class MoePackedArgs(ctypes.Structure):
-    """moe_packed.c's MoePackedArgs."""
+    """moe_pairs.h's MoePackedArgs."""
     _fields_ = [("x", _ptr), ("T", _i64), ("H", _i64), ("w13", _ptr), ("qtype13", _int),
                 ("w2", _ptr), ("qtype2", _int), ("E", _i64), ("I", _i64), ("K", _i64),
                 ("weights", _ptr), ("ids", _ptr), ("out", _ptr), ("scratch", _ptr)]
@@ -25,12 +27,13 @@ class MoePackedArgs(ctypes.Structure):
 class NativeMoEPacked(TeamKernelC):
     """fused_moe_packed in C for the GGML types the native packed linear reads."""
 
+    source, stem, op = NATIVE / "moe_packed.c", "moe_packed", "fused_moe_packed"
     types = FLOAT_ACTIVATION_TYPES
 
     def __init__(self) -> None:
-        native = build_library(NATIVE / "moe_packed.c")
+        native = build_library(self.source)
         self.code_hash = native.key
-        self._entry = TeamEntry(native, "moe_packed", MoePackedArgs, scratch=True)
+        self._entry = TeamEntry(native, self.stem, MoePackedArgs, scratch=True)
 
     def supports(self, query: KernelQuery) -> bool:
         return (query.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -40,21 +43,21 @@ class NativeMoEPacked(TeamKernelC):
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         for w in (w13, w2):
             if w.format.ggml_type not in self.types:
-                raise TypeError(f"native moe_packed does not read {w.format.name}")
+                raise TypeError(f"native {self.stem} does not read {w.format.name}")
             if not (w.data.is_cpu and w.data.is_contiguous()):
-                raise ValueError("native moe_packed needs contiguous packed rows on the CPU")
+                raise ValueError(f"native {self.stem} needs contiguous packed rows on the CPU")
         T, H = x.shape
         inter = w2.in_features
         E, K = w2.shape[0] // H, topk_ids.shape[1]
         if w13.in_features != H or w13.shape[0] != E * 2 * inter or w2.shape[0] != E * H:
-            raise ValueError(f"native moe_packed: gate/up {w13.shape} and down {w2.shape} are "
+            raise ValueError(f"native {self.stem}: gate/up {w13.shape} and down {w2.shape} are "
                              f"not {E} experts of hidden {H}")
         b = self._builder()
         ready = (x.dtype is torch.float32 and x.is_contiguous()
                  and topk_weights.dtype is torch.float32 and topk_weights.is_contiguous()
                  and topk_ids.dtype is torch.int64 and topk_ids.is_contiguous())
         if b is not None and not ready:
-            b.decline("moe_packed converts its input or routing to float32 / int64")
+            b.decline(f"{self.stem} converts its input or routing to float32 / int64")
             b = None
         xf = x.contiguous() if x.dtype is torch.float32 else x.float().contiguous()
         wf = topk_weights.float().contiguous()
@@ -66,14 +69,22 @@ class NativeMoEPacked(TeamKernelC):
 
         def raise_error(rc: int) -> None:
             if rc == 2:
-                raise MemoryError("native moe_packed could not allocate its scratch buffer")
+                raise MemoryError(f"native {self.stem} could not allocate its scratch buffer")
             if rc == 3:
-                raise ValueError(f"native moe_packed: an expert id outside [0, {E})")
-            raise ValueError(f"native moe_packed refused {w13.format.name}/{w2.format.name} "
+                raise ValueError(f"native {self.stem}: an expert id outside [0, {E})")
+            raise ValueError(f"native {self.stem} refused {w13.format.name}/{w2.format.name} "
                              f"with H={H}, I={inter}")
-        out = self._launch(b, self._entry, args, out, raise_error, "fused_moe_packed",
+        out = self._launch(b, self._entry, args, out, raise_error, self.op,
                            keep=(xf, wf, ids))
         return out if x.dtype is torch.float32 else out.to(x.dtype)
+
+
+class NativeMoEQ8Act(NativeMoEPacked):
+    """fused_moe_packed_q8act in C: each expert linear's input rounded to q8_0 blocks, integer
+    dot products (AVX-512 VNNI; the build fails without it and the kernel is not offered)."""
+
+    source, stem, op = NATIVE / "moe_q8act.c", "moe_q8act", "fused_moe_packed_q8act"
+    types = INT8_ACTIVATION_TYPES
 
 
 class MoeRouterArgs(ctypes.Structure):

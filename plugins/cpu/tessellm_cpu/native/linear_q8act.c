@@ -332,6 +332,28 @@ INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uin
             out[(i0 + i) * N + n0 + r] = res[r * MR + i] + (bias ? bias[n0 + r] : 0.f);
 }
 
+/* All M rows of x against weight rows n0 .. n0 + nr - 1: tiles of MR rows, the last 1 .. MR
+ * rows as one tile (constant sizes: kept in registers); the first tile advances `pf`. */
+INLINE void group_tiles(const QRow *rows, int64_t M, int64_t nb, const uint8_t *w, int64_t row,
+                        int qtype, int64_t n0, int nr, const float *bias, float *out, int64_t N,
+                        SpreadPrefetch *pf) {
+    int64_t i = 0;
+    for (; i + MR <= M; i += MR, pf = NULL)
+        tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, bias, out, N, pf);
+    switch (M - i) {
+    case 3: tile_out(rows, i, 3, nb, w, row, qtype, n0, nr, bias, out, N, pf); break;
+    case 2: tile_out(rows, i, 2, nb, w, row, qtype, n0, nr, bias, out, N, pf); break;
+    case 1: tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N, pf); break;
+    default: break;
+    }
+}
+
+/* The order a row of x is quantized in for weights of `qtype` (q8_rows.h). */
+INLINE int q8_layout(int qtype) {
+    return qtype == Q4_0 || qtype == Q4_1 ? Q8_PAIRS
+           : qtype == Q4_K || qtype == Q5_K ? Q8_QUADS : Q8_ORDER;
+}
+
 /* The linear's arguments (team.h, linear_packed.c's layout). scratch: linear_q8act_scratch
  * bytes (the rounded rows of x, then their QRow records). */
 typedef struct {
@@ -344,8 +366,6 @@ typedef struct {
     float *out;
     void *scratch;
 } LinearQ8ActArgs;
-
-static size_t q8_row_stride(int64_t nb) { return (size_t)round_up((int64_t)row_bytes(nb), 64); }
 
 int64_t linear_q8act_scratch(const LinearQ8ActArgs *a) {
     if (a->M <= 0 || a->K <= 0) return 0;
@@ -361,18 +381,14 @@ int linear_q8act_team(const LinearQ8ActArgs *a) {
     if (M == 0 || N == 0) return 0;
     const int64_t nb = K / QK;
     const int64_t row = K / block_weights(qtype) * block_bytes(qtype);
-    const int layout = qtype == Q4_0 || qtype == Q4_1 ? Q8_PAIRS
-                       : qtype == Q4_K || qtype == Q5_K ? Q8_QUADS : Q8_ORDER;
+    const int layout = q8_layout(qtype);
     const size_t stride = q8_row_stride(nb);
     uint8_t *base = a->scratch;
     QRow *rows = (QRow *)(base + stride * (size_t)M);
     const uint8_t *w = a->w;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; i++) {
-        uint8_t *r = base + stride * (size_t)i;
-        rows[i].xq = (int8_t *)r;
-        rows[i].dx = (float *)(r + round_up(nb, 2) * QK);
-        rows[i].sx = rows[i].dx + round_up(nb, 16);
+        rows[i] = q8_row_at(base, nb, i);
         quantize_row(a->x + i * K, nb, layout, rows[i]);
     }
     const int64_t groups = (N + NR - 1) / NR;
@@ -382,16 +398,7 @@ int linear_q8act_team(const LinearQ8ActArgs *a) {
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
         /* each thread reads its groups in order; the first tile of a group asks for a later one */
         SpreadPrefetch ahead = spread_ahead(w, grp, groups, NR * row, N * row, (nb + 1) / 2);
-        SpreadPrefetch *pf = &ahead;
-        int64_t i = 0;
-        for (; i + MR <= M; i += MR, pf = NULL)
-            tile_out(rows, i, MR, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf);
-        switch (M - i) {   /* the last rows as one tile (constant sizes: kept in registers) */
-        case 3: tile_out(rows, i, 3, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf); break;
-        case 2: tile_out(rows, i, 2, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf); break;
-        case 1: tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, a->bias, a->out, N, pf); break;
-        default: break;
-        }
+        group_tiles(rows, M, nb, w, row, qtype, n0, nr, a->bias, a->out, N, &ahead);
     }
     return 0;
 }

@@ -168,7 +168,7 @@ static StripShape shape_of(const Q8ActAmxArgs *a) {
 int64_t linear_q8act_amx_scratch(const Q8ActAmxArgs *a) {
     if (a->M <= 0 || a->K <= 0 || block_bytes(a->qtype) == 0) return 0;
     const StripShape sh = shape_of(a);
-    const size_t per_row = (size_t)round_up((int64_t)row_bytes(sh.nb), 64);
+    const size_t per_row = q8_row_stride(sh.nb);
     const size_t padded = (size_t)round_up(a->M, ROWS);
     return (int64_t)(round64((per_row + sizeof(QRow)) * padded)
                      + strip_buffer_bytes(&sh) * (size_t)a->threads);
@@ -186,18 +186,15 @@ int linear_q8act_amx_team(const Q8ActAmxArgs *a) {
     if (omp_get_num_threads() > a->threads) return ERR_ALLOC;
     const StripShape sh = shape_of(a);
     const int64_t nb = sh.nb, padded = round_up(M, ROWS);
-    const size_t per_row = (size_t)round_up((int64_t)row_bytes(nb), 64);
+    const size_t per_row = q8_row_stride(nb);
     uint8_t *base = a->scratch;
     QRow *rows = (QRow *)(base + per_row * (size_t)padded);
     Q8Rows q = {.scratch = base, .rows = rows, .per_row = per_row};
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < padded; i++) {
-        uint8_t *r = base + per_row * (size_t)i;
-        rows[i].xq = (int8_t *)r;
-        rows[i].dx = (float *)(r + round_up(nb, 2) * QK);
-        rows[i].sx = rows[i].dx + round_up(nb, 16);
+        rows[i] = q8_row_at(base, nb, i);
         if (i < M) quantize_row(a->x + i * K, nb, Q8_ORDER, rows[i]);
-        else memset(r, 0, per_row);   /* padding rows: d = 0, q = 0 */
+        else memset(rows[i].xq, 0, per_row);   /* padding rows: d = 0, q = 0 */
     }
     run_strips_team(&sh, a->w, a->bias, a->out, TILE_ROWS, TILE_COLSB, to_b_form, tile_rows, &q,
                     base + round64((per_row + sizeof(QRow)) * (size_t)padded));

@@ -68,37 +68,26 @@ static inline void quantize_row(const float *x, int64_t nb, int layout, QRow r) 
     }
 }
 
-/* The rows of x as one aligned block of `count` rows `per_row` bytes apart (rows[i] points
- * into it); rows past those quantized are left zero (d = 0, q = 0) for callers that pad. */
+/* The bytes between consecutive quantized rows of nb blocks (a multiple of 64). */
+INLINE size_t q8_row_stride(int64_t nb) { return (size_t)round_up((int64_t)row_bytes(nb), 64); }
+
+/* Row i of rows of nb blocks quantized q8_row_stride(nb) bytes apart from `base`: where its
+ * int8 blocks, scales and offset terms go. */
+INLINE QRow q8_row_at(uint8_t *base, int64_t nb, int64_t i) {
+    QRow r;
+    uint8_t *p = base + q8_row_stride(nb) * (size_t)i;
+    r.xq = (int8_t *)p;
+    r.dx = (float *)(p + round_up(nb, 2) * QK);
+    r.sx = r.dx + round_up(nb, 16);
+    return r;
+}
+
+/* Quantized rows of x `per_row` bytes apart from `scratch` (rows[i] points into it); rows
+ * past those quantized are left zero (d = 0, q = 0) for callers that pad. */
 typedef struct {
     uint8_t *scratch;
     QRow *rows;
     size_t per_row;
 } Q8Rows;
-
-/* 0, or 2 when the memory cannot be allocated (nothing to free then). */
-static inline int q8_rows_alloc(Q8Rows *q, int64_t count, int64_t nb) {
-    q->per_row = (size_t)round_up((int64_t)row_bytes(nb), 64);
-    q->scratch = aligned_alloc(64, q->per_row * (size_t)count);
-    q->rows = malloc(sizeof(QRow) * (size_t)count);
-    if (!q->scratch || !q->rows) {
-        free(q->scratch);
-        free(q->rows);
-        return 2;
-    }
-    memset(q->scratch, 0, q->per_row * (size_t)count);
-    for (int64_t i = 0; i < count; i++) {
-        uint8_t *base = q->scratch + q->per_row * (size_t)i;
-        q->rows[i].xq = (int8_t *)base;
-        q->rows[i].dx = (float *)(base + round_up(nb, 2) * QK);
-        q->rows[i].sx = q->rows[i].dx + round_up(nb, 16);
-    }
-    return 0;
-}
-
-static inline void q8_rows_free(Q8Rows *q) {
-    free(q->rows);
-    free(q->scratch);
-}
 
 #endif
