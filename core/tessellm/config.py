@@ -31,12 +31,15 @@ class EngineConfig(BaseModel):
     # "q4_0", "q4_1" quantize the linear weights weight-only at load (GGUF block formats: 32
     # weights per block with their scale).
     quantization: Literal["auto", "none", "int8", "q8_0", "q4_0", "q4_1"] = "auto"
-    packed_activations: Literal["float", "q8_0"] = Field(
+    packed_activations: Literal["float", "q8_0", "auto"] = Field(
         "float", description="how packed linears take their input: float (exact: the float32 "
-        "product with the dequantized weight) or q8_0 (llama.cpp's way: each 32-value block "
-        "of the input rounded to int8 with a float32 scale, then integer dot products; faster "
-        "on CPUs with AVX-512 VNNI, results move by that rounding); q8_0 needs packed weights "
-        "and a device kernel for op linear_packed_q8act")
+        "product with the dequantized weight; the same tokens whatever the batch or prefix "
+        "hit), q8_0 (llama.cpp's way: each 32-value block of the input rounded to int8 with "
+        "a float32 scale, then integer dot products; faster on CPUs with AVX-512 VNNI; "
+        "results move by that rounding, and since a row's rounding follows float noise, a "
+        "greedy answer may change with a prefix-cache hit; needs packed weights and a device "
+        "kernel for op linear_packed_q8act), or auto: q8_0 where the device says int8 "
+        "activations pay (the CPU plugin: where its VNNI kernel builds), float elsewhere")
     device: str = Field("auto", description="auto | cpu | <plugin device name>")
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     max_num_seqs: int = Field(64, ge=1)

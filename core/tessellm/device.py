@@ -344,6 +344,13 @@ class DevicePlugin(ABC):
         default): steps run at their own sizes."""
         return None
 
+    def prefers_int8_activations(self) -> bool:
+        """Whether packed linears run faster here with int8 activations (op
+        linear_packed_q8act, llama.cpp's way) than with float ones: what
+        packed_activations="auto" picks (API 1.9). False (the default): float, the exact
+        product."""
+        return False
+
     def kernels_not_offered(self) -> dict[str, str]:
         """Kernels this device has but does not offer here (read after `kernels()`), name ->
         reason, e.g. a native kernel that failed to build; `tessellm plugins` shows them."""

@@ -49,7 +49,9 @@ ENTRY_POINT_GROUP = "tessellm.plugins"
 # `profile_sink`, a PlanProfileSink): what the CPU plugin's native decode programs use.
 # 1.8 (additive): the tessellm_speculative_proposers hook (speculative decoding proposers,
 # plugin_api.Proposer and SpeculativeConfig).
-API_VERSION = "1.8"
+# 1.9 (additive): DevicePlugin.prefers_int8_activations (what packed_activations="auto"
+# picks) and the fused_moe_packed_q8act op (MoE experts with int8 activations).
+API_VERSION = "1.9"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

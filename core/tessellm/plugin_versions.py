@@ -28,7 +28,7 @@ MODULE_ATTRIBUTES_SINCE: dict[str, Version] = {"TESSELLM_OVERRIDE_ARCHITECTURES"
 DEVICE_MEMBERS_SINCE: dict[str, Version] = {
     "decode_graph_sizes": (1, 2), "static_shapes": (1, 2), "kv_cache_budget": (1, 2),
     "kernels_not_offered": (1, 2), "runtime_counters": (1, 2), "communicator": (1, 3),
-    "asynchronous": (1, 4),
+    "asynchronous": (1, 4), "prefers_int8_activations": (1, 9),
 }
 
 

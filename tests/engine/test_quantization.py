@@ -145,6 +145,25 @@ def test_q8_activations_opt_in_rounds_packed_linear_inputs(stories_dir, referenc
     assert 1e-4 < moved < 1.0, moved
 
 
+def test_auto_activations_follow_the_device(stories_dir) -> None:
+    """packed_activations="auto": int8 where the device says they pay (the CPU plugin: where
+    its VNNI linear builds) and the model has packed linears; float otherwise, with nothing
+    to refuse (an explicit q8_0 on unpacked weights is a ConfigError)."""
+    from tessellm_cpu.native_build import host_cpu_flags
+    vnni = {"avx512bw", "avx512_vnni"} <= host_cpu_flags()   # the VNNI kernel builds here
+    small = dict(max_num_seqs=1, enforce_eager=True, kernel_selection="first")   # the graph
+    packed = _llm(stories_dir, quantization="q8_0", packed_activations="auto", **small)
+    assert packed.engine.parts.packed_activations == ("q8_0" if vnni else "float")
+    assert ("q8_activations" in packed.engine.parts.pass_report.applied) == vnni
+    plain = _llm(stories_dir, packed_activations="auto", **small)
+    assert plain.engine.parts.packed_activations == "float"
+    assert _llm(stories_dir, quantization="q8_0", **small).engine.parts.packed_activations \
+        == "float"
+    sim = LLM(str(stories_dir), device="sim", dtype="float32", load_progress=False,
+              quantization="q8_0", packed_activations="auto", **small)
+    assert sim.engine.parts.packed_activations == "float"   # sim does not prefer int8
+
+
 def test_q8_activations_need_packed_weights_and_a_kernel(stories_dir) -> None:
     with pytest.raises(ConfigError, match="applies to packed weights"):
         _llm(stories_dir, packed_activations="q8_0")

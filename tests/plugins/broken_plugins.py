@@ -87,7 +87,7 @@ def _returning(value: Any) -> Callable[[], Any]:
 
 future_api = _plugin("2.0", tessellm_devices=_devices(FakeDevice("future")))
 no_api = _plugin(None, tessellm_devices=_devices(FakeDevice("undeclared")))
-minor_newer = _plugin("1.9", tessellm_devices=_devices(FakeDevice("minor")))
+minor_newer = _plugin("1.10", tessellm_devices=_devices(FakeDevice("minor")))
 minor_older = _plugin("1.0", tessellm_devices=_devices(FakeDevice("older")))
 
 

@@ -15,8 +15,8 @@ from tessellm.plugin_spec import API_VERSION, ENTRY_POINT_GROUP
 from tessellm.plugins import PluginManager
 
 
-def test_every_exported_name_exists_and_the_version_is_1_7() -> None:
-    assert API_VERSION == "1.8" and api.API_VERSION == API_VERSION
+def test_every_exported_name_exists_and_the_version_is_1_9() -> None:
+    assert API_VERSION == "1.9" and api.API_VERSION == API_VERSION
     missing = [name for name in api.__all__ if not hasattr(api, name)]
     assert missing == []
     hook_needs = {"DevicePlugin", "Kernel", "KernelQuery", "Architecture", "ModelSpec",

@@ -74,7 +74,7 @@ def test_other_major_or_newer_minor_api_version_is_refused_naming_both_versions(
     no_api = record(pm, "no_api")
     assert no_api.status == "refused" and "no TESSELLM_API_VERSION" in no_api.error
     newer = record(pm, "minor_newer")
-    assert newer.status == "refused" and "1.9" in newer.error and API_VERSION in newer.error
+    assert newer.status == "refused" and "1.10" in newer.error and API_VERSION in newer.error
     assert "upgrade tessellm" in newer.error
     assert record(pm, "minor_older").status == "loaded"
     assert set(pm.devices()) == {"older"}  # refused plugins' hooks never ran

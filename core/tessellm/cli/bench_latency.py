@@ -127,8 +127,7 @@ def bench_latency(a: argparse.Namespace, options: dict[str, Any]) -> dict[str, A
         "model": parts.source.name, "device": parts.device.name,
         "dtype": str(parts.dtype).removeprefix("torch."),
         "quantization": parts.config.quantization,
-        "packed_activations": "q8_0" if "q8_activations" in parts.pass_report.applied
-        else "float", "threads": torch.get_num_threads(),
+        "packed_activations": parts.packed_activations, "threads": torch.get_num_threads(),
         "in_len": a.input_len, "out_len": a.output_len, "runs": a.runs,
         "temperature": a.temperature,
         "load_s": round(load_s, 2), "weight_bytes": parts.weight_bytes,

@@ -27,9 +27,11 @@ def _engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> No
                    help="auto: GGUF legacy and K-quant tensors stay packed; none: dequantize "
                         "at load; int8|q8_0|q4_0|q4_1: quantize a safetensors model's linears "
                         "at load")
-    p.add_argument("--packed-activations", default=None, choices=["float", "q8_0"],
+    p.add_argument("--packed-activations", default=None, choices=["float", "q8_0", "auto"],
                    help="q8_0: packed linears round their input to int8 blocks and use integer "
-                        "dot products (llama.cpp's way; changes results slightly)")
+                        "dot products (llama.cpp's way; changes results slightly); auto: q8_0 "
+                        "where the device says it pays (a CPU with AVX-512 VNNI), else float "
+                        "(the default)")
     p.add_argument("--device", default="auto", help="auto | cpu | <plugin device name>")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=None)

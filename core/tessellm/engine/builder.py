@@ -76,6 +76,8 @@ class EngineParts:
     lora_sites: list[LoRASite] = field(default_factory=list)
     # block-table groups (tessellm.cache.kv_groups; None: one, a KV tensor per layer)
     kv_layout: KVCacheLayout | None = None
+    # how the packed linears take their input as built ("auto" resolved): q8_0 or float
+    packed_activations: str = "float"
 
     @property
     def is_demo(self) -> bool:
@@ -296,10 +298,7 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         quantize = GraphPass(f"quantize_{fmt.name.lower()}",
                              lambda mg: quantize_linears(mg, fmt), ("linear_packed",))
         passes = passes[:-1] + [quantize] + passes[-1:] if passes else [quantize, DEAD_CODE]
-    if config.packed_activations == "q8_0":
-        if not registry.has_op(device.name, Q8ACT_OP):
-            raise ConfigError(f"packed_activations='q8_0': device {device.name!r} has no "
-                              f"{Q8ACT_OP} kernel")
+    if resolve_packed_activations(config, device, registry) == "q8_0":
         q8 = [GraphPass("q8_activations", q8_activations, (Q8ACT_OP,)),
               GraphPass("q8_activations_experts", q8_activations_experts, (Q8ACT_EXPERTS_OP,))]
         passes = passes[:-1] + q8 + passes[-1:] if passes else q8 + [DEAD_CODE]
@@ -312,10 +311,14 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
         raise ConfigError("packed_activations='q8_0' applies to packed weights (a GGUF file "
                           "with quantization auto, or quantization int8/q8_0/q4_0/q4_1); "
                           "this model has none")
-    if config.packed_activations == "q8_0" and graph.op_nodes(ops.fused_moe_packed):
-        log.warning("packed_activations='q8_0': device %r has no %s kernel, so the MoE "
-                    "experts take float activations (the other packed linears int8)",
-                    device.name, Q8ACT_EXPERTS_OP)
+    int8_inputs = bool(graph.op_nodes(ops.linear_packed_q8act))
+    if int8_inputs and graph.op_nodes(ops.fused_moe_packed):
+        log.warning("packed_activations=%r: device %r has no %s kernel, so the MoE experts "
+                    "take float activations (the other packed linears int8)",
+                    config.packed_activations, device.name, Q8ACT_EXPERTS_OP)
+    if int8_inputs and config.packed_activations == "auto":
+        log.info("packed linears take int8 activations (packed_activations auto on device "
+                 "%r: llama.cpp's way)", device.name)
     if config.enable_lora and not lora_sites:
         raise ConfigError(f"enable_lora: model {spec.architecture!r} has no linear an adapter "
                           "can target (q/k/v/o/gate/up/down projections of a Llama-style "
@@ -353,7 +356,22 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     return EngineParts(config, device, spec, dtype, tokenizer, eos_token_ids(hf_config, tokenizer),
                        plan, selector, report, kv_caches, num_blocks, max_model_len, source,
                        graph.weights, host_kv_caches, parallel,
-                       plugins.speculative_proposers(), lora_sites, layout)
+                       plugins.speculative_proposers(), lora_sites, layout,
+                       "q8_0" if int8_inputs else "float")
+
+
+def resolve_packed_activations(config: EngineConfig, device: DevicePlugin,
+                               registry: KernelRegistry) -> str:
+    """config.packed_activations with "auto" resolved: "q8_0" where the device says int8
+    activations pay (DevicePlugin.prefers_int8_activations: a CPU with VNNI) and has the
+    kernel, else "float". An explicit "q8_0" needs the kernel (ConfigError)."""
+    if config.packed_activations == "q8_0" and not registry.has_op(device.name, Q8ACT_OP):
+        raise ConfigError(f"packed_activations='q8_0': device {device.name!r} has no "
+                          f"{Q8ACT_OP} kernel")
+    if config.packed_activations != "auto":
+        return config.packed_activations
+    pays = device.prefers_int8_activations() and registry.has_op(device.name, Q8ACT_OP)
+    return "q8_0" if pays else "float"
 
 
 def _with_lora_pass(config: EngineConfig, passes: list[GraphPass], sites: list[LoRASite],

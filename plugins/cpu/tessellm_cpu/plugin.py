@@ -4,7 +4,7 @@ from __future__ import annotations
 from tessellm.plugin_api import DevicePlugin, hookimpl
 from tessellm_cpu.device import CpuDevice
 
-TESSELLM_API_VERSION = "1.7"
+TESSELLM_API_VERSION = "1.9"
 
 
 @hookimpl
