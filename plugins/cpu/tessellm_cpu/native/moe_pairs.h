@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec_math.h"
+
 typedef struct {
     const float *x;
     int64_t T, H;
@@ -90,10 +92,17 @@ static inline void moe_sort_pairs(const MoePackedArgs *a, MoePairs s) {
     }
 }
 
-/* act[i] = silu(gate[i]) * up[i] for the I features of one pair row (gate then up in h). */
+/* act[i] = silu(gate[i]) * up[i] for the I features of one pair row (gate then up in h);
+ * 16 lanes at a time through vec_math.h's silu16 (|rel err| < 2e-7) where AVX-512 is built. */
 static inline void moe_silu_row(const float *h, int64_t I, float *act) {
     const float *g = h, *u = h + I;
-    for (int64_t i = 0; i < I; i++) act[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= I; i += 16)
+        _mm512_storeu_ps(act + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)),
+                                                _mm512_loadu_ps(u + i)));
+#endif
+    for (; i < I; i++) act[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
 /* out[t] = sum_j w[t, j] * y[slot_of[t * K + j]], the slots in order. Ends in a nowait loop. */
