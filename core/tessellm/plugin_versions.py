@@ -76,12 +76,18 @@ def module_needs(module: object, hook_names: list[str]) -> dict[str, Version]:
     return needs
 
 
+# Packages that ship with the core (its built-in device plugins): their classes are at the
+# core's version, so a plugin subclassing one (CpuDevice) does not implement what it inherits.
+CORE_PACKAGES = frozenset({"tessellm", "tessellm_cpu", "tessellm_cuda", "tessellm_xla"})
+
+
 def _plugin_defines(device: DevicePlugin, member: str) -> bool:
-    """Whether the device's own classes (not tessellm's) or the instance define `member`."""
+    """Whether the device's own classes (not tessellm's nor its built-in plugins') or the
+    instance define `member`."""
     if member in getattr(device, "__dict__", {}):
         return True
     for cls in type(device).__mro__:
-        if cls.__module__ == "tessellm" or cls.__module__.startswith("tessellm."):
+        if cls.__module__.split(".")[0] in CORE_PACKAGES:
             continue
         if member in vars(cls):
             return True

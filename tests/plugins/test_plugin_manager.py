@@ -102,12 +102,24 @@ def test_a_minor_version_older_than_what_the_plugin_implements_is_refused() -> N
 
 
 def test_members_tessellm_itself_defines_need_no_newer_version() -> None:
-    """DevicePlugin's own defaults (and the core's classes) are not the plugin's doing."""
+    """DevicePlugin's own defaults (and the classes of the core and its built-in plugins) are
+    not the plugin's doing; what a plugin's class defines itself is."""
     from broken_plugins import AsyncFakeDevice, FakeDevice
     from tessellm.plugin_versions import device_needs
     assert device_needs(FakeDevice("plain")) == {}
     assert set(device_needs(AsyncFakeDevice("a"))) == {
         "DevicePlugin.asynchronous (device 'a')"}
+    from tessellm_cpu.device import CpuDevice
+
+    class CpuSubclass(CpuDevice):   # inherits the built-in plugin's 1.9 members
+        name = "cpu-sub"
+
+    class CpuSubclassOwning(CpuSubclass):
+        def prefers_int8_activations(self) -> bool:
+            return False
+    assert device_needs(CpuSubclass()) == {}
+    assert set(device_needs(CpuSubclassOwning())) == {
+        "DevicePlugin.prefers_int8_activations (device 'cpu-sub')"}
 
 
 def test_refused_plugin_is_not_registered() -> None:
