@@ -202,7 +202,7 @@ def test_enforce_eager_records_nothing(stories_dir):
 
 def test_a_failed_allocation_while_recording_fails_its_step_only(stories_dir, monkeypatch):
     """A recording whose scratch cannot be had fails that step; the next step records."""
-    from tessellm_cpu.native_program import ProgramBuilder
+    from tessellm_cpu.program_builder import ProgramBuilder
     good = _generate(_llm(stories_dir, True, dtype="float32", quantization="q8_0"))
     llm = _llm(stories_dir, False, dtype="float32", quantization="q8_0")
     real_scratch = ProgramBuilder.scratch

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from tessellm.plugin_api import ExecutionPlan
 from tessellm_cpu.native_build import NativeBuildError
-from tessellm_cpu.native_program import (NativeProgram, NotRecordable, ProgramRecorder,
-                                         ProgramRunner, feed_pointers, record_program)
+from tessellm_cpu.native_program import NativeProgram, feed_pointers, record_program
+from tessellm_cpu.program_runtime import NotRecordable, ProgramRecorder, ProgramRunner
 
 log = logging.getLogger(__name__)
 

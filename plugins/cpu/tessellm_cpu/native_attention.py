@@ -158,7 +158,7 @@ class _PagedAttention(TeamKernelC):
             if rc:
                 raise_error(rc)
             return out
-        from tessellm_cpu.native_program import NativeCall
+        from tessellm_cpu.program_builder import NativeCall
         b.node(NativeCall(entry.team, args, raise_error, f"attention_{kind}", (info,)))
         return out
 

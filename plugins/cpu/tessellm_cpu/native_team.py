@@ -61,7 +61,8 @@ class TeamKernelC:
         runner = None if rec is None else rec.runner
         if runner is None:
             return None
-        from tessellm_cpu.native_program import NativeCall, ProgramBuilder, ProgramNode
+        from tessellm_cpu.program_builder import NativeCall, ProgramBuilder
+        from tessellm_cpu.program_runtime import ProgramNode
         builder = ProgramBuilder(runner, {}, None)
         with rec.recording(builder):
             self(*args)
@@ -88,7 +89,7 @@ class TeamKernelC:
             return result
         if entry.scratch is not None and hasattr(args, "scratch"):
             args.scratch = builder.scratch(int(entry.scratch(ctypes.byref(args))))
-        from tessellm_cpu.native_program import NativeCall
+        from tessellm_cpu.program_builder import NativeCall
         builder.node(NativeCall(entry.team, args, raise_error, label, keep))
         return result
 
