@@ -198,6 +198,49 @@ def test_streams_over_an_async_scheduling_core_equal_offline(llm, stories_dir):
     assert overlapping.engine.kv.num_free_blocks == overlapping.engine.kv.num_blocks
 
 
+def test_a_dying_core_says_so_before_it_fails_the_streams(stories_dir, monkeypatch):
+    """When the core loop dies (a lost tensor-parallel rank: check_alive raises), it sends
+    CoreFailed before the failed outputs, so the front end marks the engine dead and fails
+    every stream in one go: a client that saw its stream fail never gets /health 200 (sent
+    the other way round, a server client's /health raced the second message)."""
+    from tessellm.engine.core_messages import CoreFailed, StepOutputs
+    from tessellm.engine.engine_core import EngineCoreLoop
+    from tessellm.parallel.group import ParallelGroupError
+    llm = LLM(str(stories_dir), device="cpu", dtype="float32", load_progress=False,
+              max_num_seqs=2, enforce_eager=True)
+    calls, sent = {"n": 0}, []
+
+    def check_alive() -> None:
+        calls["n"] += 1
+        if calls["n"] > 8:   # a few steps into the stream
+            raise ParallelGroupError("tensor-parallel rank 1 (pid 1) exited")
+    monkeypatch.setattr(llm.engine, "check_alive", check_alive)
+    send = EngineCoreLoop.send
+
+    def recording_send(self, message) -> None:
+        sent.append(message)
+        send(self, message)
+    monkeypatch.setattr(EngineCoreLoop, "send", recording_send)
+
+    async def main():
+        engine = await start_engine(llm)
+        alive_at_error = []
+        stream = engine.add_request(llm.encode("Once upon a time"),
+                                    SamplingParams(max_tokens=200, ignore_eos=True), "r0")
+        async for delta in stream:
+            if delta.error:
+                alive_at_error.append(engine.is_alive)
+        await engine.wait_dead()
+        await engine.shutdown()
+        return alive_at_error, engine.fatal_error
+
+    alive_at_error, fatal = asyncio.run(main())
+    assert alive_at_error == [False] and "rank 1" in fatal
+    last = [m for m in sent if isinstance(m, (CoreFailed, StepOutputs))][-2:]
+    assert isinstance(last[0], CoreFailed) and isinstance(last[1], StepOutputs)
+    llm.engine.abort("r0")   # the dead core left it to whoever owns the engine
+
+
 def test_a_core_thread_that_fails_to_start_says_why(monkeypatch):
     import tessellm.engine.kernel_warmup as kernel_warmup
 

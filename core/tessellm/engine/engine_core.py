@@ -219,9 +219,12 @@ class EngineCoreLoop:
         except BaseException as e:  # a bug in the loop: fail every request, loudly
             log.exception("engine core loop died")
             error = f"engine core failure: {type(e).__name__}: {e}"
-            try:
-                self.send(self._outputs(self.tracker.fail_all(error), []))
+            try:   # CoreFailed first: the front end marks the core dead and fails every
+                # open stream in one go, so no client sees its stream fail while /health still
+                # answers 200 (with the failed outputs first, a client's /health raced the
+                # second message); the outputs follow for a reader that keeps reading
                 self.send(CoreFailed(error))
+                self.send(self._outputs(self.tracker.fail_all(error), []))
             except Exception:  # the socket may be what failed; the process exit still shows
                 pass
             raise
