@@ -109,17 +109,23 @@ def test_float_kernels_equal_reference(name: str, dtype: torch.dtype) -> None:
                                        msg=lambda m: f"T={T} {label}: {m}")
 
 
+def _packed_experts(formats: tuple[str, str], seed: int):
+    """(generator, hidden, w13, w2): E stacked packed experts in the (gate/up, down) formats;
+    K-quants need 256-wide rows."""
+    h, i = (256, 256) if formats[0].endswith("_K") else (H, I)
+    g = torch.Generator().manual_seed(seed)
+    w13 = packed_example(FORMATS_BY_NAME[formats[0].lower()], E * 2 * i, h, g, scale=h ** -0.5)
+    w2 = packed_example(FORMATS_BY_NAME[formats[1].lower()], E * h, i, g, scale=i ** -0.5)
+    return g, h, w13, w2
+
+
 @pytest.mark.parametrize("formats", [("Q8_0", "Q8_0"), ("Q4_0", "Q4_1"), ("Q4_K", "Q6_K")],
                          ids=lambda f: "/".join(f))
 @pytest.mark.parametrize("name", list(PACKED_KERNELS))
 def test_packed_kernels_equal_reference(name: str, formats: tuple[str, str]) -> None:
     """Stacked packed experts (GGUF's ffn_*_exps); K-quants need 256-wide rows."""
     kernel = PACKED_KERNELS[name]
-    hidden = inter = 256 if formats[0].endswith("_K") else None
-    h, i = (hidden, inter) if hidden else (H, I)
-    g = torch.Generator().manual_seed(4)
-    w13 = packed_example(FORMATS_BY_NAME[formats[0].lower()], E * 2 * i, h, g, scale=h ** -0.5)
-    w2 = packed_example(FORMATS_BY_NAME[formats[1].lower()], E * h, i, g, scale=i ** -0.5)
+    g, h, w13, w2 = _packed_experts(formats, 4)
     for T in (1, 3, 17, 64, 300):
         x = torch.randn((T, h), generator=g)
         for label, (weights, ids) in _routings(T, g):
@@ -154,11 +160,7 @@ def test_q8act_kernel_equals_its_reference(formats: tuple[str, str]) -> None:
     kernel = CPU.get("fused_moe_q8act_vnni")
     if kernel is None:
         pytest.skip("the VNNI kernels do not build here")
-    h = i = 256 if formats[0].endswith("_K") else None
-    h, i = (h, i) if h else (H, I)
-    g = torch.Generator().manual_seed(6)
-    w13 = packed_example(FORMATS_BY_NAME[formats[0].lower()], E * 2 * i, h, g, scale=h ** -0.5)
-    w2 = packed_example(FORMATS_BY_NAME[formats[1].lower()], E * h, i, g, scale=i ** -0.5)
+    g, h, w13, w2 = _packed_experts(formats, 6)
     for T in (1, 3, 17, 64, 300):
         x = torch.randn((T, h), generator=g)
         for label, (weights, ids) in _routings(T, g):

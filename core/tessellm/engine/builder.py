@@ -307,11 +307,11 @@ def _build(config: EngineConfig, plugins: PluginManager, extra_passes: list[Grap
     if config.enable_lora:   # last before dead-code removal: one site per final linear
         passes = _with_lora_pass(config, passes, lora_sites, dtype, device, registry)
     graph, report = run_passes(graph, passes, lambda op: registry.has_op(device.name, op))
-    if config.packed_activations == "q8_0" and not graph.op_nodes(ops.linear_packed_q8act):
+    int8_inputs = bool(graph.op_nodes(ops.linear_packed_q8act))
+    if config.packed_activations == "q8_0" and not int8_inputs:
         raise ConfigError("packed_activations='q8_0' applies to packed weights (a GGUF file "
                           "with quantization auto, or quantization int8/q8_0/q4_0/q4_1); "
                           "this model has none")
-    int8_inputs = bool(graph.op_nodes(ops.linear_packed_q8act))
     if int8_inputs and graph.op_nodes(ops.fused_moe_packed):
         log.warning("packed_activations=%r: device %r has no %s kernel, so the MoE experts "
                     "take float activations (the other packed linears int8)",

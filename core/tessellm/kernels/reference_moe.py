@@ -76,18 +76,25 @@ def expert_rows(w: PackedWeight, expert: int, rows_per_expert: int) -> PackedWei
     return w.with_data(w.data[start:start + rows_per_expert])
 
 
+def _packed_mixture(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    linear: Callable[[torch.Tensor, PackedWeight], torch.Tensor]) -> torch.Tensor:
+    """The mixture over stacked packed experts, each expert's two linears by `linear`, in
+    float32, cast back once after the weighted sum."""
+    H = x.shape[-1]
+    E, inter = expert_count(w2, H), w2.shape[1]
+    out = _mixture(x.float(), topk_weights, topk_ids, E, lambda e, rows: linear(
+        _silu_mlp(linear(rows, expert_rows(w13, e, 2 * inter))), expert_rows(w2, e, H)))
+    return out.to(x.dtype)
+
+
 def fused_moe_packed(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """fused_moe over stacked packed experts, each expert's MLP in float32 over its
     dequantized weights (as linear_packed computes, and llama.cpp), cast back once after the
     weighted sum."""
     from tessellm.kernels.reference import linear_packed
-    H = x.shape[-1]
-    E, inter = expert_count(w2, H), w2.shape[1]
-    out = _mixture(x.float(), topk_weights, topk_ids, E, lambda e, rows: linear_packed(
-        _silu_mlp(linear_packed(rows, expert_rows(w13, e, 2 * inter))),
-        expert_rows(w2, e, H)))
-    return out.to(x.dtype)
+    return _packed_mixture(x, w13, w2, topk_weights, topk_ids, linear_packed)
 
 
 def fused_moe_packed_q8act(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight,
@@ -97,12 +104,7 @@ def fused_moe_packed_q8act(x: torch.Tensor, w13: PackedWeight, w2: PackedWeight,
     down) rounded to q8_0 blocks first, as linear_packed_q8act does; llama.cpp's way of
     running a quantized MoE layer."""
     from tessellm.kernels.reference import linear_packed_q8act
-    H = x.shape[-1]
-    E, inter = expert_count(w2, H), w2.shape[1]
-    out = _mixture(x.float(), topk_weights, topk_ids, E, lambda e, rows: linear_packed_q8act(
-        _silu_mlp(linear_packed_q8act(rows, expert_rows(w13, e, 2 * inter))),
-        expert_rows(w2, e, H)))
-    return out.to(x.dtype)
+    return _packed_mixture(x, w13, w2, topk_weights, topk_ids, linear_packed_q8act)
 
 
 def sigmoid_gate(gate_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

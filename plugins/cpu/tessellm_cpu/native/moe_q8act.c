@@ -76,7 +76,9 @@ int moe_q8act_team(const MoePackedArgs *a) {
     const MoePairs s = moe_pairs_at(a);
     const MoeQ8Rows m = moe_q8_rows_at(a, s);
     moe_sort_pairs(a, s);
-#pragma omp for schedule(static)
+    /* nowait: the pointer loop below reads no quantized byte, and its barrier orders the
+     * quantization before the linears */
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < a->T; t++)
         quantize_row(a->x + t * H, nb13, q8_layout(a->qtype13), q8_row_at(m.xq, nb13, t));
 #pragma omp for schedule(static)
