@@ -9,15 +9,19 @@
  * w = d q), Q4_0 (fp16 d, nibbles: w = d (q - 8), i.e. m = -8 d), Q4_1 (fp16 d, fp16 m,
  * nibbles: w = d q + m), Q5_0 / Q5_1 (as Q4_0 / Q4_1 with a fifth bit per weight in u32 qh,
  * m = -16 d for Q5_0); weight j < 16 of a 4/5-bit block is the low nibble of byte j, weight
- * j + 16 its high nibble. The scales of 16 blocks are gathered at once. K-quant super-blocks
+ * j + 16 its high nibble. The scales of 16 blocks are gathered at once, and each block's
+ * d dx is formed once per 16 blocks and row of x (a permute puts it in the dot product's
+ * lanes). Q4_0 / Q4_1 blocks go four to a vector of nibbles (two dot products, one
+ * conversion, one FMA per four blocks: the 4-bit linears of a decode step were bound by
+ * their instructions, not by memory, at about 18 GB/s). K-quant super-blocks
  * (k_quant_blocks.h) are read as 8 blocks of 32 with a scale and offset each (Q4_K, Q5_K:
  * d sc and -dmin m) or as 16-weight groups of signed levels (Q6_K: d sc (q - 32)).
  * Per block: sum_j w_j xq_j dx = dx d (q . xq) + m dx (sum xq): the integer dot product is
  * exact, the scaling is float32, so the result equals the float32 product of the two
  * dequantized operands up to rounding. Work: OpenMP over groups of NR output features; each
  * group runs every row of x in tiles of MR rows, the last of 1 .. MR rows (its weights stay
- * in L1), and prefetches the group about 4 KiB ahead. Needs AVX-512 BW + VNNI (the build fails without them, and the
- * kernel is then not offered).
+ * in L1), and prefetches the groups about 16 KiB ahead into L2 (prefetch.h). Needs AVX-512
+ * BW + VNNI (the build fails without them, and the kernel is then not offered).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -37,26 +41,90 @@
 #define NR 4   /* output features per group */
 #define MR 4   /* rows of x per tile */
 
-/* Lane -> block of a 16-block group, for pair j of the group: the 4-bit layout puts block 2j in
- * lanes 0-3 and 8-11 and block 2j+1 in lanes 4-7 and 12-15; the 8-bit one 2j in 0-7. */
-INLINE __m512i pair_lanes(int j, int interleave) {
-    const int a = 2 * j, b = 2 * j + 1;
-    if (interleave)
-        return _mm512_setr_epi32(a, a, a, a, b, b, b, b, a, a, a, a, b, b, b, b);
-    return _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+/* Lane -> block of a 16-block group: 4 lanes a block, blocks 4 quad .. 4 quad + 3. */
+INLINE __m512i quad_lanes(int64_t quad) {
+    return _mm512_add_epi32(_mm512_set1_epi32((int)(4 * quad)),
+                            _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                10, 11, 12, 13, 14, 15), 2));
 }
 
-/* Rows xr[0 .. mr - 1] of x (mr <= MR) against weight rows n0 .. n0 + nr - 1 (4-bit, blocks
- * read in place): res[r * MR + i]. Each unpacked pair of weight blocks serves all mr rows, so
- * a prefill reads and unpacks the weights once per MR rows instead of once per row. Per
- * output the operations and their order are those of mr = 1, so the result does not depend
- * on how rows are tiled. */
+/* The 16 bytes of nibbles of blocks a, a + bb, a + 2 bb, a + 3 bb as one vector; blocks from
+ * the n-th on read as zero (never loaded: they may lie past the weights' end). */
+INLINE __m512i four_blocks_nibbles(const uint8_t *a, int64_t bb, int64_t n) {
+    __m512i q = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)a));
+    if (n > 1) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(a + bb)), 1);
+    if (n > 2) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(a + 2 * bb)), 2);
+    if (n > 3) q = _mm512_inserti32x4(q, _mm_loadu_si128((const __m128i *)(a + 3 * bb)), 3);
+    return q;
+}
+
+/* Rows xr[0 .. mr - 1] of x (mr <= MR, Q8_NIBBLE_QUADS order) against Q4_0 / Q4_1 weight rows
+ * n0 .. n0 + nr - 1 (blocks read in place): res[r * MR + i]. A quad of blocks is one vector
+ * of their nibbles: the low ones against x's first 64 bytes, the high ones against the next,
+ * both dot products into the same lanes (4 a block), then one conversion and one FMA by the
+ * blocks' d dx. Each unpacked quad serves all mr rows, so a prefill reads and unpacks the
+ * weights once per MR rows. Per output the operations and their order are those of mr = 1,
+ * so the result does not depend on how rows are tiled. */
 INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
                     int64_t n0, int nr, float *res,
                     SpreadPrefetch *pf) {
+    const int64_t bb = block_bytes(qtype), qoff = qtype == Q4_0 ? 2 : 4;
+    __m512 acc[NR][MR];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    for (int64_t g = 0; g < nb; g += 16) {
+        const int64_t ng = nb - g < 16 ? nb - g : 16;
+        const __mmask16 gm = group_mask(ng);
+        __m512 s[NR][MR];   /* d dx, block c of the group in lane c */
+        for (int r = 0; r < nr; r++) {
+            const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
+            const __m512 d = half_lo(heads), m = block_offsets(heads, d, qtype);
+            for (int i = 0; i < mr; i++) {   /* the offset term: m dx sum(xq) */
+                acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
+                s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
+            }
+        }
+        for (int64_t q = 0; 4 * q < ng; q++) {
+            spread_step(pf);
+            spread_step(pf);
+            const __m512i lanes = quad_lanes(q);
+            __m512i xlo[MR], xhi[MR];
+            for (int i = 0; i < mr; i++) {
+                xlo[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * q) * QK);
+                xhi[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * q) * QK + 64);
+            }
+            for (int r = 0; r < nr; r++) {
+                const __m512i qv = four_blocks_nibbles(
+                    w + (n0 + r) * row + (g + 4 * q) * bb + qoff, bb, ng - 4 * q);
+                const __m512i lo = _mm512_and_si512(qv, nib);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qv, 4), nib);
+                for (int i = 0; i < mr; i++) {
+                    const __m512i dot = _mm512_dpbusd_epi32(
+                        _mm512_dpbusd_epi32(zero, lo, xlo[i]), hi, xhi[i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                _mm512_permutexvar_ps(lanes, s[r][i]), acc[r][i]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* Lanes 0-7 take block 2j's value, lanes 8-15 block 2j + 1's (of a 16-block group). */
+INLINE __m512i pair_lanes(int j) {
+    const int a = 2 * j, b = 2 * j + 1;
+    return _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+}
+
+/* As q4_tile for Q5_0 / Q5_1 rows (x in block order): a pair of blocks A, B from two 16-byte
+ * loads of nibbles, in order (A0-31 B0-31), plus 16 where a block's qh says. */
+INLINE void q5_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
+                    int64_t n0, int nr, float *res,
+                    SpreadPrefetch *pf) {
     const int64_t bb = block_bytes(qtype);
-    const int64_t qoff = qtype == Q4_0 ? 2 : qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 8;
-    const int five = qtype == Q5_0 || qtype == Q5_1;
+    const int64_t qoff = qtype == Q5_0 ? 6 : 8;
     __m512 acc[NR][MR];
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
@@ -75,7 +143,7 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         }
         for (int64_t p = 0; p < ng; p += 2) {
             spread_step(pf);
-            const __m512i lanes = pair_lanes((int)(p / 2), !five);
+            const __m512i lanes = pair_lanes((int)(p / 2));
             const int has_b = p + 1 < ng;
             __m512i xv[MR];
             __m512 sdx[MR];   /* the scales in the dot product's lanes: d dx = (d) (dx) */
@@ -92,19 +160,14 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
                 const __m256i lo = _mm256_and_si256(q, nib);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
-                __m512i wq;
-                if (five) {   /* blocks in order (A0-31 B0-31), + 16 where qh says */
-                    uint32_t ha, hb = 0;
-                    memcpy(&ha, a - 4, 4);
-                    if (has_b) memcpy(&hb, a + bb - 4, 4);
-                    wq = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-                    wq = _mm512_mask_add_epi8(wq, (__mmask64)((uint64_t)ha | ((uint64_t)hb << 32)),
-                                              wq, _mm512_set1_epi8(16));
-                } else {
-                    wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                }
+                uint32_t ha, hb = 0;
+                memcpy(&ha, a - 4, 4);
+                if (has_b) memcpy(&hb, a + bb - 4, 4);
+                __m512i wq = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                    _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+                wq = _mm512_mask_add_epi8(wq, (__mmask64)((uint64_t)ha | ((uint64_t)hb << 32)),
+                                          wq, _mm512_set1_epi8(16));
                 for (int i = 0; i < mr; i++) {
                     const __m512 s = _mm512_mul_ps(sd, sdx[i]);
                     const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv[i]);
@@ -117,8 +180,8 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* As q4_tile for Q8_0 weights. Signed x signed through u8 x s8: |w| times x with w's sign
- * moved onto x. */
+/* As q4_tile for Q8_0 weights (x in block order), a pair of blocks a vector. Signed x signed
+ * through u8 x s8: |w| times x with w's sign moved onto x. */
 INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
                     int64_t n0, int nr, float *res,
                     SpreadPrefetch *pf) {
@@ -130,21 +193,18 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        __m512 dx[MR], d[NR];
-        for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
-        for (int r = 0; r < nr; r++) d[r] = half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm));
+        __m512 s[NR][MR];   /* d dx, block c of the group in lane c */
+        for (int r = 0; r < nr; r++) {
+            const __m512 d = half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm));
+            for (int i = 0; i < mr; i++) s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
+        }
         for (int64_t p = 0; p < ng; p += 2) {
             spread_step(pf);
-            const __m512i lanes = pair_lanes((int)(p / 2), 0);
+            const __m512i lanes = pair_lanes((int)(p / 2));
             const int has_b = p + 1 < ng;
             __m512i xv[MR];
-            __m512 sdx[MR];
-            for (int i = 0; i < mr; i++) {
-                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
-                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
-            }
+            for (int i = 0; i < mr; i++) xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
             for (int r = 0; r < nr; r++) {
-                const __m512 sd = _mm512_permutexvar_ps(lanes, d[r]);
                 const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + 2;
                 const __m256i qa = _mm256_loadu_si256((const __m256i *)a);
                 const __m256i qb = has_b ? _mm256_loadu_si256((const __m256i *)(a + bb))
@@ -153,10 +213,10 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 const __mmask64 neg = _mm512_movepi8_mask(q);
                 const __m512i aq = _mm512_abs_epi8(q);
                 for (int i = 0; i < mr; i++) {
-                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
                     const __m512i xs = _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]);
                     const __m512i dot = _mm512_dpbusd_epi32(zero, aq, xs);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                _mm512_permutexvar_ps(lanes, s[r][i]), acc[r][i]);
                 }
             }
         }
@@ -325,6 +385,7 @@ INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uin
     case Q4_K: kq_tile(rows + i0, mr, nb, w, row, Q4_K, n0, nr, res, pf); break;
     case Q5_K: kq_tile(rows + i0, mr, nb, w, row, Q5_K, n0, nr, res, pf); break;
     case Q6_K: q6k_tile(rows + i0, mr, nb, w, row, n0, nr, res, pf); break;
+    case Q5_0: case Q5_1: q5_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res, pf); break;
     default: q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res, pf); break;
     }
     for (int i = 0; i < mr; i++)
@@ -350,7 +411,7 @@ INLINE void group_tiles(const QRow *rows, int64_t M, int64_t nb, const uint8_t *
 
 /* The order a row of x is quantized in for weights of `qtype` (q8_rows.h). */
 INLINE int q8_layout(int qtype) {
-    return qtype == Q4_0 || qtype == Q4_1 ? Q8_PAIRS
+    return qtype == Q4_0 || qtype == Q4_1 ? Q8_NIBBLE_QUADS
            : qtype == Q4_K || qtype == Q5_K ? Q8_QUADS : Q8_ORDER;
 }
 

@@ -14,7 +14,7 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Scratch for one row of x: xq (nb rounded up to even, 32 bytes a block), then dx and sx
+/* Scratch for one row of x: xq (nb rounded up to 4, 32 bytes a block), then dx and sx
  * (dx * sum of the block's xq), nb rounded up to 16 floats each. */
 typedef struct {
     int8_t *xq;
@@ -24,19 +24,20 @@ typedef struct {
 INLINE int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 INLINE size_t row_bytes(int64_t nb) {
-    return (size_t)round_up(nb, 2) * QK + 2 * sizeof(float) * (size_t)round_up(nb, 16);
+    return (size_t)round_up(nb, 4) * QK + 2 * sizeof(float) * (size_t)round_up(nb, 16);
 }
 
 /* Where the blocks of a row of x go in its xq (the order the unpacked weights come in):
- * Q8_ORDER: block b at b * 32; Q8_PAIRS (Q4_0, Q4_1: a pair of blocks A, B unpacked from one
- * 16-byte load): A0-15 B0-15 A16-31 B16-31; Q8_QUADS (Q4_K, Q5_K: one 64-byte load of a
- * super-block's quad of blocks 0-3 unpacks blocks 0 and 2 from the low nibbles, 1 and 3 from
- * the high ones): blocks 0, 2, 1, 3 of each quad. */
-enum { Q8_ORDER = 0, Q8_PAIRS = 1, Q8_QUADS = 2 };
+ * Q8_ORDER: block b at b * 32; Q8_NIBBLE_QUADS (Q4_0, Q4_1: four blocks A-D whose 16 bytes of
+ * nibbles are one vector, unpacked low then high): A0-15 B0-15 C0-15 D0-15 A16-31 B16-31
+ * C16-31 D16-31; Q8_QUADS (Q4_K, Q5_K: one 64-byte load of a super-block's quad of blocks 0-3
+ * unpacks blocks 0 and 2 from the low nibbles, 1 and 3 from the high ones): blocks 0, 2, 1, 3
+ * of each quad. xq holds nb rounded up to 4 blocks (the padding zero). */
+enum { Q8_ORDER = 0, Q8_NIBBLE_QUADS = 1, Q8_QUADS = 2 };
 
 /* Quantize one row of x into the `layout` above. */
 static inline void quantize_row(const float *x, int64_t nb, int layout, QRow r) {
-    memset(r.xq, 0, (size_t)round_up(nb, 2) * QK);
+    memset(r.xq, 0, (size_t)round_up(nb, 4) * QK);
     memset(r.dx, 0, sizeof(float) * (size_t)round_up(nb, 16));
     memset(r.sx, 0, sizeof(float) * (size_t)round_up(nb, 16));
     static const int quad_slot[4] = {0, 2, 1, 3};
@@ -53,10 +54,10 @@ static inline void quantize_row(const float *x, int64_t nb, int layout, QRow r) 
         }
         const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
         int8_t *dst;
-        if (layout == Q8_PAIRS) {
-            dst = r.xq + (b / 2) * 64 + (b % 2) * 16;
+        if (layout == Q8_NIBBLE_QUADS) {
+            dst = r.xq + (b / 4) * 128 + (b % 4) * 16;
             _mm_storeu_si128((__m128i *)dst, blo);
-            _mm_storeu_si128((__m128i *)(dst + 32), bhi);
+            _mm_storeu_si128((__m128i *)(dst + 64), bhi);
         } else {
             dst = r.xq + (layout == Q8_QUADS ? (b / 4) * 4 + quad_slot[b % 4] : b) * QK;
             _mm_storeu_si128((__m128i *)dst, blo);
@@ -77,7 +78,7 @@ INLINE QRow q8_row_at(uint8_t *base, int64_t nb, int64_t i) {
     QRow r;
     uint8_t *p = base + q8_row_stride(nb) * (size_t)i;
     r.xq = (int8_t *)p;
-    r.dx = (float *)(p + round_up(nb, 2) * QK);
+    r.dx = (float *)(p + round_up(nb, 4) * QK);
     r.sx = r.dx + round_up(nb, 16);
     return r;
 }
