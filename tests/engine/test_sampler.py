@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tessellm.engine.sampler import Sampler, SampleRequest, SamplerOutput, row_seed
+from tessellm.engine.random_sampling import row_seed
+from tessellm.engine.sampler import Sampler, SampleRequest, SamplerOutput
 from tessellm.errors import InvalidRequestError
 from tessellm.sampling_params import SamplingParams
 

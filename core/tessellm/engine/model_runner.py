@@ -62,9 +62,10 @@ from tessellm.engine.step_shapes import StepShapes
 from tessellm.engine.kv_swap import KVSwapper
 from tessellm.engine.stage_times import StageTimes
 from tessellm.constraints.step_masks import PendingMasks, StepMasks
+from tessellm.engine.logprobs_from_logits import prompt_logprobs_of
 from tessellm.engine.sampler import (SAMPLE_ROWS, SAMPLE_TABLE, SampleRequest, Sampler,
                                      SelectBitmaskKernel, SelectGreedyKernel, SelectSampleKernel,
-                                     TokenLogprobs, TokenMasks, prompt_logprobs_of)
+                                     TokenLogprobs, TokenMasks)
 from tessellm.graph.plan import KV_CACHE_FEED, STEP_FEEDS, ExecutionPlan, group_meta_feeds
 from tessellm.kernels.attention_metadata import AttentionMetadata
 from tessellm.lora.sites import LORA_SLOTS_FEED

@@ -1,5 +1,9 @@
 """Turns a batch of logits into one token id per row (and optional logprobs), on the logits' device.
 
+This module is the pipeline and its contract; the stages live beside it: penalties and biases
+in logit_penalties.py, the random draw in random_sampling.py, logprobs in
+logprobs_from_logits.py.
+
 Pipeline for a row (the order is part of the contract):
 
     penalties (only rows that set one; on float32 logits, out of place):
@@ -62,20 +66,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
+from tessellm.engine.logit_penalties import bias_rows, penalize_rows, select_rows
+from tessellm.engine.logprobs_from_logits import fill_logprobs
+from tessellm.engine.random_sampling import SelectSampleKernel, sample_random
+from tessellm.engine.token_logprobs import TokenLogprobs
 from tessellm.kernels import reference
 from tessellm.kernels.registry import KernelQuery
 from tessellm.sampling_params import SamplingParams
-from tessellm.engine.token_logprobs import TokenLogprobs
-
-_MASK64 = (1 << 64) - 1
-_MASK63 = (1 << 63) - 1
-
-# (rows, vocab) -> a function with reference.sample_tokens' six positional arguments
-SelectSampleKernel = Callable[[int, int], Callable[..., torch.Tensor]]
 # (buffer name, host tensor) -> the same values on the logits' device, copied through the
 # runner's staging buffers (pinned host memory, the transfer stream, compute ordered after it),
 # so the copy never makes the host wait for queued kernels; names: SAMPLE_ROWS, SAMPLE_TABLE
@@ -115,18 +115,6 @@ class TokenMasks:
 
     rows: list[int]
     bitmask: torch.Tensor
-
-
-def row_seed(seed: int, position: int) -> int:
-    """A 63-bit generator seed for (request seed, output position).
-
-    `seed * 1_000_003 + position` is finished with the splitmix64 mixer, so nearby seeds and
-    positions give unrelated generator states (torch's CPU generator only reads the low 32 bits).
-    """
-    z = (seed * 1_000_003 + position + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & _MASK63
 
 
 @dataclass(slots=True)
@@ -184,7 +172,7 @@ class Sampler:
 
     def _mask_rows(self, x: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
         """x as float32 with the rows of `masks` masked (out of place)."""
-        sub, index = _select(x, masks.rows)
+        sub, index = select_rows(x, masks.rows)
         sub = sub.to(torch.float32, copy=True)
         key = (sub.shape[0], sub.shape[1])
         fn = self._bitmask_fns.get(key)
@@ -221,9 +209,9 @@ class Sampler:
         if not (random_rows or penalized or biased or wants_logprobs or masks):
             return SamplerOutput(self._greedy(logits), [None] * batch)
 
-        x = _penalize_rows(logits, rows, penalized) if penalized else logits
+        x = penalize_rows(logits, rows, penalized) if penalized else logits
         if biased:
-            x = _bias_rows(x, rows, biased)
+            x = bias_rows(x, rows, biased)
         if masks is not None and masks.rows:
             x = self._mask_rows(x, masks)
         if len(random_rows) == batch:
@@ -241,7 +229,7 @@ class Sampler:
                 token_ids.index_copy_(0, index, sampled)
         logprobs: list[TokenLogprobs | None] = [None] * batch
         if wants_logprobs:
-            _fill_logprobs(logprobs, x, token_ids, rows, wants_logprobs)
+            fill_logprobs(logprobs, x, token_ids, rows, wants_logprobs)
         return SamplerOutput(token_ids, logprobs)
 
     def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -250,189 +238,3 @@ class Sampler:
         return sample_random(logits, params, positions, self.select_kernel,
                              lambda values: self._to_device(SAMPLE_TABLE, values, torch.float32,
                                                             logits.device))
-
-
-def _select(x: torch.Tensor, which: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows `which` of x, and their index tensor (None when `which` is every row in order)."""
-    if len(which) == x.shape[0]:
-        return x, None
-    index = torch.tensor(which, dtype=torch.long, device=x.device)
-    return x.index_select(0, index), index
-
-
-def _penalize_rows(
-    logits: torch.Tensor, rows: Sequence[SampleRequest], which: list[int]
-) -> torch.Tensor:
-    """float32 copy of `logits` with rows `which` penalised (the others converted only)."""
-    x = logits.float()
-    sub, index = _select(x, which)
-    penalized = _apply_penalties(sub, [rows[i] for i in which])
-    return penalized if index is None else x.index_copy(0, index, penalized)
-
-
-def _bias_rows(x: torch.Tensor, rows: Sequence[SampleRequest], which: list[int]
-               ) -> torch.Tensor:
-    """float32 copy of x with each row of `which` plus its logit bias (ids checked before)."""
-    row_ids, token_ids, values = [], [], []
-    for i in which:
-        for token, bias in rows[i].params.logit_bias.items():   # type: ignore[union-attr]
-            row_ids.append(i)
-            token_ids.append(token)
-            values.append(bias)
-    out = x.to(torch.float32, copy=True)
-    index = (torch.tensor(row_ids, dtype=torch.long, device=x.device),
-             torch.tensor(token_ids, dtype=torch.long, device=x.device))
-    out.index_put_(index, torch.tensor(values, dtype=torch.float32, device=x.device),
-                   accumulate=True)
-    return out
-
-
-def _apply_penalties(x: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
-    """Penalised float32 logits [n, vocab] (out of place); every row has some penalty."""
-    vocab = x.shape[1]
-    params = [r.params for r in rows]
-    out_counts = _token_counts([r.output_token_ids for r in rows], vocab, x.device)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        # Rows with penalty 1 skip their prompt: x / 1 == x * 1 == x, so they pass unchanged.
-        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in rows]
-        seen = (_token_counts(prompts, vocab, x.device) > 0) | (out_counts > 0)
-        rep = _column([p.repetition_penalty for p in params], x.device)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        freq = _column([p.frequency_penalty for p in params], x.device)
-        pres = _column([p.presence_penalty for p in params], x.device)
-        x = x - freq * out_counts - pres * (out_counts > 0).float()
-    return x
-
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def _token_counts(
-    seqs: Sequence[Sequence[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """counts[i, t] = occurrences of token t in seqs[i], float32 [len(seqs), vocab].
-
-    One scatter_add of every id at flat index i * vocab + t; ids are range-checked on the host
-    first, since an out-of-range id would silently count for another row.
-    """
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    flat = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)
-    counts = torch.zeros(len(seqs) * vocab, dtype=torch.float32, device=device)
-    if flat.numel():
-        if int(flat.min()) < 0 or int(flat.max()) >= vocab:
-            raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
-        row = torch.repeat_interleave(torch.arange(len(seqs), dtype=torch.long), lengths)
-        index = (row * vocab + flat).to(device)
-        counts.scatter_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
-    return counts.view(len(seqs), vocab)
-
-
-def _fill_logprobs(
-    out: list[TokenLogprobs | None],
-    x: torch.Tensor,
-    token_ids: torch.Tensor,
-    rows: Sequence[SampleRequest],
-    which: list[int],
-) -> None:
-    """Set out[i] for every row i in `which` from log_softmax(float32(x)) (penalised logits)."""
-    sub, index = _select(x, which)
-    chosen = token_ids if index is None else token_ids.index_select(0, index)
-    logprobs = torch.log_softmax(sub.float(), dim=-1)
-    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    ks = [min(rows[i].params.logprobs or 0, x.shape[1]) for i in which]
-    top_lp: list[list[float]] = [[] for _ in which]
-    top_ids: list[list[int]] = [[] for _ in which]
-    if max(ks) > 0:
-        top = logprobs.topk(max(ks), dim=-1)
-        top_lp, top_ids = top.values.tolist(), top.indices.tolist()
-    for j, (i, token, lp, k) in enumerate(zip(which, chosen.tolist(), chosen_lp, ks)):
-        out[i] = TokenLogprobs(token, lp, list(zip(top_ids[j][:k], top_lp[j][:k])))
-
-
-def sample_random(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
-    select_kernel: SelectSampleKernel | None = None,
-    table_to_device: Callable[[list[list[float]]], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Sample every row of `logits` (all rows have temperature > 0 and top_k != 1): the noise
-    is drawn here, the rest is the `sample_tokens` op (the reference, or `select_kernel`'s).
-    `table_to_device` uploads the [4, n] float32 parameter table (default torch.tensor)."""
-    device = logits.device
-    n, vocab = logits.shape
-    noise = _exponential_noise(logits.shape, params, positions, device)
-    ks = [min(p.top_k, vocab) if p.top_k is not None and p.top_k > 0 else vocab for p in params]
-    top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
-    min_p = [p.min_p for p in params]
-    # One host -> device copy for the four parameter rows (top_k < 2**24: exact in float32).
-    values = [[p.temperature for p in params], top_p, min_p, ks]
-    table = table_to_device(values) if table_to_device is not None else torch.tensor(
-        values, dtype=torch.float32, device=device)
-    args = (logits, table[0], table[3].to(torch.int64), table[1], table[2], noise)
-    kernel = select_kernel(n, vocab) if select_kernel is not None else reference.sample_tokens
-    if kernel is not reference.sample_tokens:
-        return kernel(*args)
-    # The reference takes host-side hints: skip the filters no row uses (a row that does not
-    # use a filter passes it unchanged, so the tokens are the same either way).
-    on_k = [k for k in ks if k < vocab]
-    return kernel(*args, use_top_k=bool(on_k), use_top_p=any(p < 1.0 for p in top_p),
-                  use_min_p=any(p > 0.0 for p in min_p), max_top_k=max(on_k, default=None))
-
-
-def _exponential_noise(
-    shape: torch.Size,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int],
-    device: torch.device,
-) -> torch.Tensor:
-    """Exponential(1) noise [n, vocab], strictly positive; seeded rows from their own generator."""
-    seeded = [(i, p.seed) for i, p in enumerate(params) if p.seed is not None]
-    if len(seeded) == len(params):
-        noise = torch.empty(shape, dtype=torch.float32, device=device)
-    else:
-        noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
-    for i, seed in seeded:
-        noise[i] = _seeded_exponential(shape[1], row_seed(seed, positions[i]), device)
-    # Exponential draws may round to 0; p / 0 would be inf (or nan for p == 0, which argmax favours).
-    return noise.clamp_min_(torch.finfo(torch.float32).tiny)
-
-
-def _seeded_exponential(n: int, seed: int, device: torch.device) -> torch.Tensor:
-    """n Exponential(1) draws from a fresh generator; drawn on the CPU where the device has none."""
-    try:
-        gen, draw_device = torch.Generator(device=device), device
-    except RuntimeError:
-        gen, draw_device = torch.Generator(device="cpu"), torch.device("cpu")
-    gen.manual_seed(seed)
-    draws = torch.empty(n, dtype=torch.float32, device=draw_device).exponential_(generator=gen)
-    return draws.to(device)
-
-
-def prompt_logprobs_of(logits: torch.Tensor, spans: Sequence[tuple[object, int, int]]
-                       ) -> dict[str, list[TokenLogprobs]]:
-    """Prompt logprobs from the logits of prompt positions: `spans` are (request, first
-    position, count) in row order; row j of a span is position first + j, whose logits give
-    the logprob of prompt token first + j + 1 and the request's `prompt_logprobs` most likely
-    tokens there (log_softmax of the float32 logits, no penalty or filter: the model's own
-    distribution). One host read for the whole step."""
-    targets = [r.prompt_token_ids[p + 1] for r, first, count in spans   # type: ignore[attr-defined]
-               for p in range(first, first + count)]
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    index = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
-    chosen = lp.gather(1, index).squeeze(1).tolist()
-    k = max(r.params.prompt_logprobs for r, _, _ in spans)   # type: ignore[attr-defined]
-    top_lp: list[list[float]] = [[] for _ in targets]
-    top_ids: list[list[int]] = [[] for _ in targets]
-    if k > 0:
-        top = lp.topk(min(k, lp.shape[1]), dim=-1)
-        top_lp, top_ids = top.values.tolist(), top.indices.tolist()
-    out: dict[str, list[TokenLogprobs]] = {}
-    row = 0
-    for r, first, count in spans:
-        want = r.params.prompt_logprobs   # type: ignore[attr-defined]
-        out[r.request_id] = [   # type: ignore[attr-defined]
-            TokenLogprobs(targets[j], chosen[j], list(zip(top_ids[j][:want], top_lp[j][:want])))
-            for j in range(row, row + count)]
-        row += count
-    return out
