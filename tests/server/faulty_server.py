@@ -67,7 +67,8 @@ def faulty_core_entry(faults: StepFaults, *core_args: Any) -> None:
 
 def main(argv: list[str]) -> int:
     """`tessellm serve` (argv[1:], parsed by the real CLI) over a core with StepFaults(argv[0])."""
-    from tessellm.cli.main import build_parser, serve_configs
+    from tessellm.cli.commands import serve_configs
+    from tessellm.cli.main import build_parser
     from tessellm.errors import TessellmError
     from tessellm.server.serve import run_server
     faults = StepFaults(**json.loads(argv[0]))

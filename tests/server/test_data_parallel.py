@@ -153,7 +153,8 @@ def test_a_killed_replica_fails_only_its_requests_and_rejoins(dp_server):
 # ---- hostile configuration: errors before anything serves --------------------------------
 
 def _configs(*flags: str):
-    from tessellm.cli.main import build_parser, serve_configs
+    from tessellm.cli.commands import serve_configs
+    from tessellm.cli.main import build_parser
     return serve_configs(build_parser().parse_args(["serve", *flags]))
 
 
