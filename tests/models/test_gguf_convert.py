@@ -17,7 +17,8 @@ from tessellm import LLM, SamplingParams
 from tessellm.cli.main import main as cli_main
 from tessellm.errors import UnsupportedModelError
 from tessellm.models.gguf_convert import convert_hf_to_gguf
-from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+from tessellm.models.gguf_config import gguf_config
+from tessellm.models.gguf_file import load_gguf, open_gguf
 
 LLAMA2_SPM = TOKENIZERS / "llama2" / "tokenizer.model"
 TEXTS = ["Hello, my name is", "The capital of France is Paris. The capital of Germany is",

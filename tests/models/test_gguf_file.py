@@ -41,7 +41,8 @@ from logits_probe import recorded_logits
 import tessellm
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ModelLoadError, UnsupportedModelError
-from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+from tessellm.models.gguf_config import gguf_config
+from tessellm.models.gguf_file import load_gguf, open_gguf
 from tessellm.models.gguf_tokenizer import load_gguf_tokenizer
 from tessellm.quant.formats import FORMATS_BY_NAME, PackedWeight, dequantize, quantize
 

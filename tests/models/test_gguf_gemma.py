@@ -21,7 +21,8 @@ from logits_probe import recorded_logits
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ModelLoadError, UnsupportedModelError
 from tessellm.models.gemma import gemma_spec
-from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+from tessellm.models.gguf_config import gguf_config
+from tessellm.models.gguf_file import load_gguf, open_gguf
 from tessellm.quant.formats import PackedWeight
 
 pytestmark = pytest.mark.skipif(not STORIES_GGUF.is_file(),

@@ -19,7 +19,8 @@ from hf_fixtures import (ModelCase, _mixtral_config, _qwen2_moe_config, _qwen3_m
 from logits_probe import recorded_logits
 from tessellm import LLM, SamplingParams
 from tessellm.errors import ModelLoadError
-from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+from tessellm.models.gguf_config import gguf_config
+from tessellm.models.gguf_file import load_gguf, open_gguf
 from tessellm.quant.formats import PackedWeight
 
 pytestmark = pytest.mark.skipif(not STORIES_GGUF.is_file(),

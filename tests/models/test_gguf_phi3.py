@@ -27,7 +27,8 @@ from test_gguf_file import (FP32_LOGITS_ATOL, assert_matches_hf, make_llm, packe
                             prefill_logits_and_greedy, prompts_of)
 from tessellm.errors import ModelLoadError, UnsupportedModelError
 from tessellm.models.architectures import resolve_architecture
-from tessellm.models.gguf_file import gguf_config, load_gguf, open_gguf
+from tessellm.models.gguf_config import gguf_config
+from tessellm.models.gguf_file import load_gguf, open_gguf
 from tessellm.quant.formats import PackedWeight
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}

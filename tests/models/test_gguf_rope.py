@@ -16,7 +16,8 @@ from hf_fixtures import (ModelCase, _llama3_rope_config, _llama_config, _llama_y
                          build_hf_model)
 from test_gguf_file import assert_matches_hf, make_llm, prompts_of
 from tessellm.errors import ModelLoadError, UnsupportedModelError
-from tessellm.models.gguf_file import gguf_config, open_gguf
+from tessellm.models.gguf_config import gguf_config
+from tessellm.models.gguf_file import open_gguf
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,8 @@ def _build(p: Path, reader: Any) -> Any:
 
     from transformers import AutoTokenizer
 
-    from tessellm.models.gguf_file import GGUF_ARCHITECTURES, open_gguf
+    from tessellm.models.gguf_config import GGUF_ARCHITECTURES
+    from tessellm.models.gguf_file import open_gguf
     reader = reader if reader is not None else open_gguf(p)
     skip = _invalid_special_ids(reader)
     arch = metadata_field(reader, "general.architecture")

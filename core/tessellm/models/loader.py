@@ -47,7 +47,7 @@ def read_source_config(source: ModelSource, opened: Any = None) -> dict[str, Any
     """The HF-style config of a source (a GGUF file's metadata, converted). `opened`: the
     source's open_source() result, if the caller has it."""
     if source.kind == "gguf":
-        from tessellm.models.gguf_file import gguf_config
+        from tessellm.models.gguf_config import gguf_config
         return gguf_config(opened if opened is not None else open_source(source))
     return read_hf_config(source.path)
 
