@@ -250,3 +250,19 @@ def test_no_thread_is_left_spinning_after_shutdown(stories_dir):
     t0 = cpu_seconds()
     time.sleep(1.0)
     assert cpu_seconds() - t0 < 0.1
+
+
+def test_per_head_norms_read_the_fused_qkv_in_place(qwen3_random_dir):
+    """qwen3 normalizes q and k per head, [T, heads, D] slices of the fused qkv output whose
+    rows do not flatten to one stride: the native rms_norm reads them in place as T groups of
+    `heads` rows (they were Python nodes, 2.5 ms of a Qwen3-MoE Q4_K_M decode step), with
+    the eager plan's tokens."""
+    path = qwen3_random_dir
+    eager = _generate(_llm(path, True, dtype="float32", quantization="q8_0"))
+    llm = _llm(path, False, dtype="float32", quantization="q8_0")
+    assert _generate(llm) == eager
+    recorded = [p.program for p in _programs(llm) if p.program is not None]
+    assert recorded
+    for program in recorded:
+        assert not [label for label in program.fallbacks if "rms_norm" in label], \
+            program.fallbacks

@@ -42,6 +42,14 @@ def _last_dim_rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
+def _head_rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """(row stride, group stride) of a [T, heads, D] view with contiguous features whose
+    rows do not flatten to one stride (per-head slices of a fused projection), or None."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.shape[1] == 0:
+        return None
+    return t.stride(1), t.stride(0)
+
+
 def _int64(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
@@ -85,7 +93,7 @@ class WriteKVArgs(ctypes.Structure):
 class RmsNormArgs(ctypes.Structure):
     _fields_ = [("x", _ptr), ("x_stride", _i64), ("res", _ptr), ("res_stride", _i64),
                 ("w", _ptr), ("T", _i64), ("H", _i64), ("eps", _f32), ("out", _ptr),
-                ("summed", _ptr)]
+                ("summed", _ptr), ("rows_per_group", _i64), ("group_stride", _i64)]
 
 
 class SiluAndMulArgs(ctypes.Structure):
@@ -191,26 +199,36 @@ class NativeRmsNorm(_TeamNative):
             raise TypeError(f"native rms_norm needs x, residual and weight in one of "
                             f"float32/bfloat16, got {x.dtype}, {weight.dtype}")
         b = self._builder()
-        # any leading dims (qwen3's per-head q/k norms: [T, heads, D])
+        # any leading dims; qwen3's per-head q/k norms read [T, heads, D] slices of the fused
+        # qkv output in place, as T groups of `heads` rows
         x2 = last_dim_rows_view(x)
+        heads = _head_rows(x) if x2 is None and residual is None else None
         r2 = None if residual is None else last_dim_rows_view(residual)
         w = weight if weight.is_contiguous() else None
-        if b is not None and (x2 is None or w is None or (residual is not None and r2 is None)):
+        if b is not None and ((x2 is None and heads is None) or w is None
+                              or (residual is not None and r2 is None)):
             b.decline("rms_norm inputs need a copy")
             b = None
-        x2 = x2 if x2 is not None else _last_dim_rows(x)
+        if x2 is None and heads is None:
+            x2 = _last_dim_rows(x)
         if residual is not None and r2 is None:
             r2 = _last_dim_rows(residual)
         w = w if w is not None else weight.contiguous()
-        rows, feats = x2.shape
-        if w.shape != (feats,) or (r2 is not None and r2.shape != x2.shape):
+        if x2 is not None:
+            (rows, feats), row_stride = x2.shape, x2.stride(0)
+            per_group, group_stride = max(rows, 1), 0
+        else:
+            rows, feats = x.shape[0] * x.shape[1], x.shape[2]
+            row_stride, per_group, group_stride = x.stride(1), x.shape[1], x.stride(0)
+        if w.shape != (feats,) or (r2 is not None and r2.shape != (rows, feats)):
             raise ValueError(f"native rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                              + ("" if residual is None else f", residual {tuple(residual.shape)}"))
-        out = self._empty(b, x2.shape, x2.dtype)
-        summed = None if r2 is None else self._empty(b, x2.shape, x2.dtype)
-        args = RmsNormArgs(x2.data_ptr(), x2.stride(0), 0 if r2 is None else r2.data_ptr(),
-                           0 if r2 is None else r2.stride(0), w.data_ptr(), rows, feats,
-                           float(eps), out.data_ptr(), 0 if summed is None else summed.data_ptr())
+        out = self._empty(b, (rows, feats), x.dtype)
+        summed = None if r2 is None else self._empty(b, (rows, feats), x.dtype)
+        args = RmsNormArgs(x.data_ptr() if x2 is None else x2.data_ptr(), row_stride,
+                           0 if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
+                           w.data_ptr(), rows, feats, float(eps), out.data_ptr(),
+                           0 if summed is None else summed.data_ptr(), per_group, group_stride)
         if x2 is not x:
             out = out.view(x.shape)
             summed = None if summed is None else summed.view(x.shape)

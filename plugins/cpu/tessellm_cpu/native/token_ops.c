@@ -299,6 +299,9 @@ ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16, BF16_ROUND, bf16)
             o[j] = STORE(LOAD(w[j]) * ROUND(LOAD(src[j]) * inv));
 #endif
 
+/* Row t of x starts at x + (t / rows_per_group) * group_stride + (t % rows_per_group) *
+ * x_stride (elements): plain rows are one group (rows_per_group >= T); per-head norms read
+ * [T, heads, D] views of a fused projection's output as T groups of `heads` rows. */
 typedef struct {
     const void *x;
     int64_t x_stride;
@@ -308,18 +311,20 @@ typedef struct {
     int64_t T, H;
     float eps;
     void *out, *summed;
+    int64_t rows_per_group, group_stride;
 } RmsNormArgs;
 
 #define RMS_NORM(NAME, TYPE, LOAD, STORE, ROUND, SUFFIX)                                     \
 int NAME##_team(const RmsNormArgs *a) {                                                      \
     const int64_t T = a->T, H = a->H, x_stride = a->x_stride, res_stride = a->res_stride;    \
-    if (H <= 0) return RK_ERR_SHAPE;                                                         \
+    const int64_t per_group = a->rows_per_group, group_stride = a->group_stride;             \
+    if (H <= 0 || per_group <= 0) return RK_ERR_SHAPE;                                       \
     const TYPE *x = a->x, *res = a->res, *w = a->w;                                          \
     TYPE *out = a->out, *summed = a->summed;                                                 \
     const float eps = a->eps;                                                                \
     _Pragma("omp for schedule(static) nowait")                                               \
     for (int64_t t = 0; t < T; t++) {                                                        \
-        const TYPE *xr = x + t * x_stride;                                                   \
+        const TYPE *xr = x + (t / per_group) * group_stride + (t % per_group) * x_stride;    \
         TYPE *sr = summed ? summed + t * H : 0;                                              \
         RMS_ROW(TYPE, LOAD, STORE, ROUND, SUFFIX)                                            \
     }                                                                                        \
