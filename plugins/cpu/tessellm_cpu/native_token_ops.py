@@ -42,12 +42,17 @@ def _last_dim_rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
-def _head_rows(t: torch.Tensor) -> tuple[int, int] | None:
-    """(row stride, group stride) of a [T, heads, D] view with contiguous features whose
-    rows do not flatten to one stride (per-head slices of a fused projection), or None."""
-    if t.dim() != 3 or t.stride(2) != 1 or t.shape[1] == 0:
-        return None
-    return t.stride(1), t.stride(0)
+def _norm_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int, int] | None:
+    """t's rows as rms_norm.c reads them, without a copy: (base, rows, features, row stride,
+    rows per group, group stride). Rows that flatten to one stride are one group; a
+    [T, heads, D] view whose rows do not (per-head slices of a fused projection) is T groups
+    of `heads` rows. None when t needs a copy."""
+    t2 = last_dim_rows_view(t)
+    if t2 is not None:
+        return t2, t2.shape[0], t2.shape[1], t2.stride(0), max(t2.shape[0], 1), 0
+    if t.dim() == 3 and t.stride(2) == 1 and t.shape[1] > 0:
+        return t, t.shape[0] * t.shape[1], t.shape[2], t.stride(1), t.shape[1], t.stride(0)
+    return None
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
@@ -200,36 +205,31 @@ class NativeRmsNorm(_TeamNative):
                             f"float32/bfloat16, got {x.dtype}, {weight.dtype}")
         b = self._builder()
         # any leading dims; qwen3's per-head q/k norms read [T, heads, D] slices of the fused
-        # qkv output in place, as T groups of `heads` rows
-        x2 = last_dim_rows_view(x)
-        heads = _head_rows(x) if x2 is None and residual is None else None
+        # qkv output in place (the residual, when there is one, has plain rows)
+        xr = _norm_rows(x)
+        if xr is not None and residual is not None and xr[5] != 0:
+            xr = None
         r2 = None if residual is None else last_dim_rows_view(residual)
         w = weight if weight.is_contiguous() else None
-        if b is not None and ((x2 is None and heads is None) or w is None
-                              or (residual is not None and r2 is None)):
+        if b is not None and (xr is None or w is None or (residual is not None and r2 is None)):
             b.decline("rms_norm inputs need a copy")
             b = None
-        if x2 is None and heads is None:
-            x2 = _last_dim_rows(x)
+        if xr is None:
+            xr = _norm_rows(_last_dim_rows(x))
         if residual is not None and r2 is None:
             r2 = _last_dim_rows(residual)
         w = w if w is not None else weight.contiguous()
-        if x2 is not None:
-            (rows, feats), row_stride = x2.shape, x2.stride(0)
-            per_group, group_stride = max(rows, 1), 0
-        else:
-            rows, feats = x.shape[0] * x.shape[1], x.shape[2]
-            row_stride, per_group, group_stride = x.stride(1), x.shape[1], x.stride(0)
+        base, rows, feats, row_stride, per_group, group_stride = xr
         if w.shape != (feats,) or (r2 is not None and r2.shape != (rows, feats)):
             raise ValueError(f"native rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}"
                              + ("" if residual is None else f", residual {tuple(residual.shape)}"))
         out = self._empty(b, (rows, feats), x.dtype)
         summed = None if r2 is None else self._empty(b, (rows, feats), x.dtype)
-        args = RmsNormArgs(x.data_ptr() if x2 is None else x2.data_ptr(), row_stride,
+        args = RmsNormArgs(base.data_ptr(), row_stride,
                            0 if r2 is None else r2.data_ptr(), 0 if r2 is None else r2.stride(0),
                            w.data_ptr(), rows, feats, float(eps), out.data_ptr(),
                            0 if summed is None else summed.data_ptr(), per_group, group_stride)
-        if x2 is not x:
+        if x.dim() != 2:
             out = out.view(x.shape)
             summed = None if summed is None else summed.view(x.shape)
         return self._launch(b, entry, args, (out, summed), _raiser("rms_norm"),

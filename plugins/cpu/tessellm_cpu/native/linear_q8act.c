@@ -41,6 +41,37 @@
 #define NR 4   /* output features per group */
 #define MR 4   /* rows of x per tile */
 
+/* The tiles' accumulators: acc[r][i] for weight row r and row i of x, 16 partial sums each. */
+INLINE void acc_zero(__m512 acc[NR][MR]) {
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+}
+
+/* res[r * MR + i] = the sum of acc[r][i]'s lanes, for the tile's nr x mr outputs. */
+INLINE void acc_sums(__m512 acc[NR][MR], int nr, int mr, float *res) {
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+/* A group of 16 legacy blocks (g onward, lanes gm) of weight rows n0 .. n0 + nr - 1 against
+ * rows xr[0 .. mr - 1] of x: adds each block's offset term m dx sum(xq) into acc and puts
+ * its scale d dx in s (block c of the group in lane c; the tiles permute it into their dot
+ * products' lanes). */
+INLINE void legacy_group_scales(const QRow *xr, int mr, const uint8_t *w, int64_t row,
+                                int qtype, int64_t n0, int nr, int64_t g, __mmask16 gm,
+                                __m512 acc[NR][MR], __m512 s[NR][MR]) {
+    const int64_t bb = block_bytes(qtype);
+    for (int r = 0; r < nr; r++) {
+        const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
+        const __m512 d = half_lo(heads), m = block_offsets(heads, d, qtype);
+        for (int i = 0; i < mr; i++) {
+            if (qtype != Q8_0)
+                acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
+            s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
+        }
+    }
+}
+
 /* Lane -> block of a 16-block group: 4 lanes a block, blocks 4 quad .. 4 quad + 3. */
 INLINE __m512i quad_lanes(int64_t quad) {
     return _mm512_add_epi32(_mm512_set1_epi32((int)(4 * quad)),
@@ -70,21 +101,13 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                     SpreadPrefetch *pf) {
     const int64_t bb = block_bytes(qtype), qoff = qtype == Q4_0 ? 2 : 4;
     __m512 acc[NR][MR];
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    acc_zero(acc);
     const __m512i nib = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        __m512 s[NR][MR];   /* d dx, block c of the group in lane c */
-        for (int r = 0; r < nr; r++) {
-            const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
-            const __m512 d = half_lo(heads), m = block_offsets(heads, d, qtype);
-            for (int i = 0; i < mr; i++) {   /* the offset term: m dx sum(xq) */
-                acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
-                s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
-            }
-        }
+        __m512 s[NR][MR];
+        legacy_group_scales(xr, mr, w, row, qtype, n0, nr, g, gm, acc, s);
         for (int64_t q = 0; 4 * q < ng; q++) {
             spread_step(pf);
             spread_step(pf);
@@ -108,8 +131,7 @@ INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+    acc_sums(acc, nr, mr, res);
 }
 
 /* Lanes 0-7 take block 2j's value, lanes 8-15 block 2j + 1's (of a 16-block group). */
@@ -126,33 +148,20 @@ INLINE void q5_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
     const int64_t bb = block_bytes(qtype);
     const int64_t qoff = qtype == Q5_0 ? 6 : 8;
     __m512 acc[NR][MR];
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    acc_zero(acc);
     const __m256i nib = _mm256_set1_epi8(0x0f);
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        __m512 dx[MR], d[NR];
-        for (int i = 0; i < mr; i++) dx[i] = _mm512_loadu_ps(xr[i].dx + g);
-        for (int r = 0; r < nr; r++) {
-            const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
-            d[r] = half_lo(heads);
-            const __m512 m = block_offsets(heads, d[r], qtype);
-            for (int i = 0; i < mr; i++)   /* the offset term: m dx sum(xq) */
-                acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
-        }
+        __m512 s[NR][MR];
+        legacy_group_scales(xr, mr, w, row, qtype, n0, nr, g, gm, acc, s);
         for (int64_t p = 0; p < ng; p += 2) {
             spread_step(pf);
             const __m512i lanes = pair_lanes((int)(p / 2));
             const int has_b = p + 1 < ng;
             __m512i xv[MR];
-            __m512 sdx[MR];   /* the scales in the dot product's lanes: d dx = (d) (dx) */
-            for (int i = 0; i < mr; i++) {
-                xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
-                sdx[i] = _mm512_permutexvar_ps(lanes, dx[i]);
-            }
+            for (int i = 0; i < mr; i++) xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
             for (int r = 0; r < nr; r++) {
-                const __m512 sd = _mm512_permutexvar_ps(lanes, d[r]);
                 const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + qoff;
                 const __m128i qa = _mm_loadu_si128((const __m128i *)a);
                 const __m128i qb = has_b ? _mm_loadu_si128((const __m128i *)(a + bb))
@@ -169,15 +178,14 @@ INLINE void q5_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                 wq = _mm512_mask_add_epi8(wq, (__mmask64)((uint64_t)ha | ((uint64_t)hb << 32)),
                                           wq, _mm512_set1_epi8(16));
                 for (int i = 0; i < mr; i++) {
-                    const __m512 s = _mm512_mul_ps(sd, sdx[i]);
                     const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv[i]);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                _mm512_permutexvar_ps(lanes, s[r][i]), acc[r][i]);
                 }
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+    acc_sums(acc, nr, mr, res);
 }
 
 /* As q4_tile for Q8_0 weights (x in block order), a pair of blocks a vector. Signed x signed
@@ -187,17 +195,13 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                     SpreadPrefetch *pf) {
     const int64_t bb = 34;
     __m512 acc[NR][MR];
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    acc_zero(acc);
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
-        __m512 s[NR][MR];   /* d dx, block c of the group in lane c */
-        for (int r = 0; r < nr; r++) {
-            const __m512 d = half_lo(block_heads(w + (n0 + r) * row + g * bb, bb, gm));
-            for (int i = 0; i < mr; i++) s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
-        }
+        __m512 s[NR][MR];
+        legacy_group_scales(xr, mr, w, row, Q8_0, n0, nr, g, gm, acc, s);
         for (int64_t p = 0; p < ng; p += 2) {
             spread_step(pf);
             const __m512i lanes = pair_lanes((int)(p / 2));
@@ -221,8 +225,7 @@ INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+    acc_sums(acc, nr, mr, res);
 }
 
 /* Lanes 0-7 take block a's value, lanes 8-15 block b's (of a 16-block group). */
@@ -242,8 +245,7 @@ INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
                     SpreadPrefetch *pf) {
     const int64_t sbb = block_bytes(qtype), qoff = qtype == Q5_K ? 48 : 16;
     __m512 acc[NR][MR];
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    acc_zero(acc);
     const __m512i nib = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(1);
     for (int64_t g = 0; g < nb; g += 16) {
         const int64_t ng = nb - g < 16 ? nb - g : 16;   /* 8 or 16 */
@@ -300,8 +302,7 @@ INLINE void kq_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+    acc_sums(acc, nr, mr, res);
 }
 
 /* As q8_tile for Q6_K rows (x in block order): half h of a super-block (weights 128h ..
@@ -316,8 +317,7 @@ INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64
                      SpreadPrefetch *pf) {
     const int64_t sbb = block_bytes(Q6_K);
     __m512 acc[NR][MR];
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < MR; i++) acc[r][i] = _mm512_setzero_ps();
+    acc_zero(acc);
     const __m512i zero = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0f);
     const __m512i m3 = _mm512_set1_epi8(0x03), k32 = _mm512_set1_epi8(32);
     const __m512i quarter = _mm512_srli_epi32(
@@ -371,8 +371,7 @@ INLINE void q6k_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64
             }
         }
     }
-    for (int r = 0; r < nr; r++)
-        for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
+    acc_sums(acc, nr, mr, res);
 }
 
 /* Rows i0 .. i0 + mr - 1 of x against weight rows n0 .. n0 + nr - 1, into out (+ bias). */
