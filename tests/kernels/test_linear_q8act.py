@@ -72,3 +72,38 @@ def test_rows_tiled_together_equal_rows_one_at_a_time(native, fmt):
     batched = native(x, w)
     for i in range(x.shape[0]):
         assert torch.equal(batched[i:i + 1], native(x[i:i + 1], w))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_the_build_without_vbmi_equals_the_reference(tmp_path, fmt):
+    """With VBMI the C kernel takes a run of Q4_x / Q8_0 blocks' weights out of its 64-byte
+    lines by one byte permute; AVX-512 CPUs without it (Skylake-SP, Cascade Lake) load them by
+    16- and 32-byte loads instead. That build, compiled here with -mno-avx512vbmi, equals the
+    reference too (partial runs of 1, 2 and 3 blocks included)."""
+    import ctypes
+    import subprocess
+
+    from tessellm_cpu.native_build import FLAGS, NativeBuildError, host_cpu_flags
+    from tessellm_cpu.native_linear import NATIVE, PackedLinearArgs
+    if not {"avx512bw", "avx512_vnni"} <= host_cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI: the kernel is not offered here")
+    try:
+        from tessellm_cpu.native_build import _compiler
+        cc = _compiler()
+    except NativeBuildError as e:
+        pytest.skip(f"no C compiler: {e}")
+    lib = tmp_path / "linear_q8act_no_vbmi.so"
+    subprocess.run([cc, *FLAGS, "-mno-avx512vbmi", str(NATIVE / "linear_q8act.c"), "-o", str(lib),
+                    "-lm"], check=True, capture_output=True, timeout=300)
+    run = ctypes.CDLL(str(lib)).linear_q8act_run
+    run.restype = ctypes.c_int
+    for m, n, k in [(1, 13, 64), (1, 9, 32 * 19), (3, 7, 96), (5, 6, 32 * 33)]:
+        g = torch.Generator().manual_seed(m * 100 + k)
+        w = quantize(torch.randn(n, k, generator=g) * k ** -0.5, FORMATS_BY_NAME[fmt])
+        x = torch.randn(m, k, generator=g)
+        out = torch.empty(m, n)
+        args = PackedLinearArgs(x.data_ptr(), m, k, w.data.data_ptr(), n, w.format.ggml_type, None,
+                                out.data_ptr(), None)
+        assert run(ctypes.byref(args)) == 0
+        want = ref.linear_packed_q8act(x, w)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -9,11 +9,12 @@
  * w = d q), Q4_0 (fp16 d, nibbles: w = d (q - 8), i.e. m = -8 d), Q4_1 (fp16 d, fp16 m,
  * nibbles: w = d q + m), Q5_0 / Q5_1 (as Q4_0 / Q4_1 with a fifth bit per weight in u32 qh,
  * m = -16 d for Q5_0); weight j < 16 of a 4/5-bit block is the low nibble of byte j, weight
- * j + 16 its high nibble. The scales of 16 blocks are gathered at once, and each block's
- * d dx is formed once per 16 blocks and row of x (a permute puts it in the dot product's
- * lanes). Q4_0 / Q4_1 blocks go four to a vector of nibbles (two dot products, one
- * conversion, one FMA per four blocks: the 4-bit linears of a decode step were bound by
- * their instructions, not by memory, at about 18 GB/s). K-quant super-blocks
+ * j + 16 its high nibble. Q4_0 / Q4_1 blocks go four to a vector of nibbles (two dot
+ * products, one conversion, one FMA per four blocks), Q8_0 blocks two to a vector; such a run
+ * of blocks is read from its own one or two 64-byte lines, its weights and its fp16 scales
+ * both taken out by permutes (the 4-bit linears of a decode step were bound by their
+ * instructions, not by memory: ~18 GB/s with a 16-lane gather of the scales per 16 blocks).
+ * Q5_0 / Q5_1 gather the scales of 16 blocks at once. K-quant super-blocks
  * (k_quant_blocks.h) are read as 8 blocks of 32 with a scale and offset each (Q4_K, Q5_K:
  * d sc and -dmin m) or as 16-weight groups of signed levels (Q6_K: d sc (q - 32)).
  * Per block: sum_j w_j xq_j dx = dx d (q . xq) + m dx (sum xq): the integer dot product is
@@ -53,30 +54,36 @@ INLINE void acc_sums(__m512 acc[NR][MR], int nr, int mr, float *res) {
         for (int i = 0; i < mr; i++) res[r * MR + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-/* A group of 16 legacy blocks (g onward, lanes gm) of weight rows n0 .. n0 + nr - 1 against
- * rows xr[0 .. mr - 1] of x: adds each block's offset term m dx sum(xq) into acc and puts
- * its scale d dx in s (block c of the group in lane c; the tiles permute it into their dot
+/* A group of 16 Q5_0 / Q5_1 blocks (g onward, lanes gm) of weight rows n0 .. n0 + nr - 1
+ * against rows xr[0 .. mr - 1] of x: adds each block's offset term m dx sum(xq) into acc and
+ * puts its scale d dx in s (block c of the group in lane c; q5_tile permutes it into its dot
  * products' lanes). */
-INLINE void legacy_group_scales(const QRow *xr, int mr, const uint8_t *w, int64_t row,
-                                int qtype, int64_t n0, int nr, int64_t g, __mmask16 gm,
-                                __m512 acc[NR][MR], __m512 s[NR][MR]) {
+INLINE void q5_group_scales(const QRow *xr, int mr, const uint8_t *w, int64_t row,
+                            int qtype, int64_t n0, int nr, int64_t g, __mmask16 gm,
+                            __m512 acc[NR][MR], __m512 s[NR][MR]) {
     const int64_t bb = block_bytes(qtype);
     for (int r = 0; r < nr; r++) {
         const __m512i heads = block_heads(w + (n0 + r) * row + g * bb, bb, gm);
         const __m512 d = half_lo(heads), m = block_offsets(heads, d, qtype);
         for (int i = 0; i < mr; i++) {
-            if (qtype != Q8_0)
-                acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
+            acc[r][i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xr[i].sx + g), acc[r][i]);
             s[r][i] = _mm512_mul_ps(d, _mm512_loadu_ps(xr[i].dx + g));
         }
     }
 }
 
-/* Lane -> block of a 16-block group: 4 lanes a block, blocks 4 quad .. 4 quad + 3. */
-INLINE __m512i quad_lanes(int64_t quad) {
-    return _mm512_add_epi32(_mm512_set1_epi32((int)(4 * quad)),
-                            _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                10, 11, 12, 13, 14, 15), 2));
+/* Lane l of a dot product over `per`-lane blocks takes v[l / per]: a run's x scales (or sums)
+ * in the lanes of its blocks (per 4: a quad of 4-bit blocks, v[0 .. 3]; per 8: a pair of Q8_0
+ * blocks, v[0 .. 1]). */
+INLINE __m512 block_lanes(const float *v, int per) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_srli_epi32(lane, per == 4 ? 2 : 3);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_maskz_loadu_ps(per == 4 ? 0xf : 0x3, v)));
+}
+
+/* The bytes of a 64-byte line that lie within the first n bytes of a run. */
+INLINE __mmask64 line_mask(int64_t n) {
+    return n >= 64 ? ~(__mmask64)0 : n <= 0 ? (__mmask64)0 : ((__mmask64)1 << n) - 1;
 }
 
 /* The 16 bytes of nibbles of blocks a, a + bb, a + 2 bb, a + 3 bb as one vector; blocks from
@@ -89,45 +96,93 @@ INLINE __m512i four_blocks_nibbles(const uint8_t *a, int64_t bb, int64_t n) {
     return q;
 }
 
+/* How a quad of Q4_0 / Q4_1 blocks (four of bb bytes, read as the 64-byte lines a and b from
+ * its first byte) becomes vectors: `nibbles` (VBMI byte permute of a, b) puts block c's 16
+ * bytes of nibbles in bytes 16c .. 16c + 15; `heads` (word permute of a, zeroing outside
+ * `keep`) puts block c's d in words 4c .. 4c + 3 and, for Q4_1, its m in word 16 + 4c (words
+ * 16 + 4c + 1 .. 3 zero), so the low and high 256 bits convert to the dot product's lanes. */
+typedef struct {
+    __m512i nibbles, heads;
+    __mmask32 keep;
+} QuadLayout;
+
+INLINE QuadLayout quad_layout(int64_t bb, int64_t qoff, int with_m) {
+    uint8_t nib[64];
+    uint16_t head[32];
+    for (int j = 0; j < 64; j++) nib[j] = (uint8_t)((j / 16) * bb + qoff + j % 16);
+    for (int l = 0; l < 16; l++) {
+        head[l] = (uint16_t)((l / 4) * bb / 2);
+        head[16 + l] = (uint16_t)((l / 4) * bb / 2 + 1);
+    }
+    QuadLayout q;
+    q.nibbles = _mm512_loadu_si512(nib);
+    q.heads = _mm512_loadu_si512(head);
+    q.keep = 0xffffu | (with_m ? 0x11110000u : 0u);
+    return q;
+}
+
 /* Rows xr[0 .. mr - 1] of x (mr <= MR, Q8_NIBBLE_QUADS order) against Q4_0 / Q4_1 weight rows
- * n0 .. n0 + nr - 1 (blocks read in place): res[r * MR + i]. A quad of blocks is one vector
- * of their nibbles: the low ones against x's first 64 bytes, the high ones against the next,
- * both dot products into the same lanes (4 a block), then one conversion and one FMA by the
- * blocks' d dx. Each unpacked quad serves all mr rows, so a prefill reads and unpacks the
- * weights once per MR rows. Per output the operations and their order are those of mr = 1,
- * so the result does not depend on how rows are tiled. */
+ * n0 .. n0 + nr - 1 (blocks read in place): res[r * MR + i]. A quad of blocks is read from its
+ * own lines: its nibbles are one vector (a byte permute with VBMI, else four 16-byte loads),
+ * the low ones against x's first 64 bytes, the high ones against the next, both dot products
+ * into the same lanes (4 a block), then one conversion and one FMA by the blocks' d dx; its
+ * d and m come from the same first line by one word permute. (The scales of 16 blocks at once
+ * by a gather cost more than the rest of the work on AMD Zen 4: a decode linear's Q4_1 rows
+ * in L2 took 53 us with it, 35 without.) Q4_0's -8 d offset is taken in the integers (the
+ * dot products start from -8 times the sums of x's bytes they cover); Q4_1's m dx sum(xq) is
+ * one more FMA, on the block's first lane. Each unpacked quad serves all mr rows, so a
+ * prefill reads and unpacks the weights once per MR rows. Per output the operations and their
+ * order are those of mr = 1, so the result does not depend on how rows are tiled. */
 INLINE void q4_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
-                    int64_t n0, int nr, float *res,
-                    SpreadPrefetch *pf) {
+                    int64_t n0, int nr, float *res, SpreadPrefetch *pf) {
     const int64_t bb = block_bytes(qtype), qoff = qtype == Q4_0 ? 2 : 4;
+    const int with_m = qtype == Q4_1;
+    const QuadLayout lay = quad_layout(bb, qoff, with_m);
     __m512 acc[NR][MR];
     acc_zero(acc);
-    const __m512i nib = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
-    for (int64_t g = 0; g < nb; g += 16) {
-        const int64_t ng = nb - g < 16 ? nb - g : 16;
-        const __mmask16 gm = group_mask(ng);
-        __m512 s[NR][MR];
-        legacy_group_scales(xr, mr, w, row, qtype, n0, nr, g, gm, acc, s);
-        for (int64_t q = 0; 4 * q < ng; q++) {
-            spread_step(pf);
-            spread_step(pf);
-            const __m512i lanes = quad_lanes(q);
-            __m512i xlo[MR], xhi[MR];
-            for (int i = 0; i < mr; i++) {
-                xlo[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * q) * QK);
-                xhi[i] = _mm512_loadu_si512(xr[i].xq + (g + 4 * q) * QK + 64);
+    const __m512i nib = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi8(1);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t q = 0; 4 * q < nb; q++) {
+        spread_step(pf);
+        spread_step(pf);
+        const int64_t nq = nb - 4 * q < 4 ? nb - 4 * q : 4;
+        const __mmask64 ma = line_mask(nq * bb);
+        __m512i xlo[MR], xhi[MR], start[MR];
+        __m512 dx[MR], sx[MR];
+        for (int i = 0; i < mr; i++) {
+            xlo[i] = _mm512_loadu_si512(xr[i].xq + 4 * q * QK);
+            xhi[i] = _mm512_loadu_si512(xr[i].xq + 4 * q * QK + 64);
+            dx[i] = block_lanes(xr[i].dx + 4 * q, 4);
+            if (with_m) {
+                sx[i] = block_lanes(xr[i].sx + 4 * q, 4);
+                start[i] = zero;
+            } else {   /* -8 times the sum of the 8 bytes of x each lane's products take */
+                const __m512i sum =
+                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, ones, xlo[i]), ones, xhi[i]);
+                start[i] = _mm512_sub_epi32(zero, _mm512_slli_epi32(sum, 3));
             }
-            for (int r = 0; r < nr; r++) {
-                const __m512i qv = four_blocks_nibbles(
-                    w + (n0 + r) * row + (g + 4 * q) * bb + qoff, bb, ng - 4 * q);
-                const __m512i lo = _mm512_and_si512(qv, nib);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qv, 4), nib);
-                for (int i = 0; i < mr; i++) {
-                    const __m512i dot = _mm512_dpbusd_epi32(
-                        _mm512_dpbusd_epi32(zero, lo, xlo[i]), hi, xhi[i]);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                                _mm512_permutexvar_ps(lanes, s[r][i]), acc[r][i]);
-                }
+        }
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *quad = w + (n0 + r) * row + 4 * q * bb;
+            const __m512i a = _mm512_maskz_loadu_epi8(ma, quad);
+#ifdef __AVX512VBMI__
+            const __m512i qv = _mm512_permutex2var_epi8(
+                a, lay.nibbles, _mm512_maskz_loadu_epi8(line_mask(nq * bb - 64), quad + 64));
+#else
+            const __m512i qv = four_blocks_nibbles(quad + qoff, bb, nq);
+#endif
+            const __m512i lo = _mm512_and_si512(qv, nib);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(qv, 4), nib);
+            const __m512i heads = _mm512_maskz_permutexvar_epi16(lay.keep, lay.heads, a);
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(heads));
+            const __m512 m = with_m ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(heads, 1))
+                                    : _mm512_setzero_ps();
+            for (int i = 0; i < mr; i++) {
+                const __m512i dot = _mm512_dpbusd_epi32(
+                    _mm512_dpbusd_epi32(start[i], lo, xlo[i]), hi, xhi[i]);
+                if (with_m) acc[r][i] = _mm512_fmadd_ps(m, sx[i], acc[r][i]);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx[i]),
+                                            acc[r][i]);
             }
         }
     }
@@ -140,8 +195,9 @@ INLINE __m512i pair_lanes(int j) {
     return _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
 }
 
-/* As q4_tile for Q5_0 / Q5_1 rows (x in block order): a pair of blocks A, B from two 16-byte
- * loads of nibbles, in order (A0-31 B0-31), plus 16 where a block's qh says. */
+/* As q4_tile for Q5_0 / Q5_1 rows (x in block order; the scales of 16 blocks at once from
+ * q5_group_scales): a pair of blocks A, B from two 16-byte loads of nibbles, in order
+ * (A0-31 B0-31), plus 16 where a block's qh says. */
 INLINE void q5_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row, int qtype,
                     int64_t n0, int nr, float *res,
                     SpreadPrefetch *pf) {
@@ -154,7 +210,7 @@ INLINE void q5_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
         const int64_t ng = nb - g < 16 ? nb - g : 16;
         const __mmask16 gm = group_mask(ng);
         __m512 s[NR][MR];
-        legacy_group_scales(xr, mr, w, row, qtype, n0, nr, g, gm, acc, s);
+        q5_group_scales(xr, mr, w, row, qtype, n0, nr, g, gm, acc, s);
         for (int64_t p = 0; p < ng; p += 2) {
             spread_step(pf);
             const __m512i lanes = pair_lanes((int)(p / 2));
@@ -188,40 +244,51 @@ INLINE void q5_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_
     acc_sums(acc, nr, mr, res);
 }
 
-/* As q4_tile for Q8_0 weights (x in block order), a pair of blocks a vector. Signed x signed
- * through u8 x s8: |w| times x with w's sign moved onto x. */
+/* As q4_tile for Q8_0 weights (x in block order), a pair of blocks A, B a vector, read from
+ * the pair's own 68 bytes as lines a, b: the 64 int8 weights by a byte permute (VBMI; else two
+ * 32-byte loads), A's d into lanes 0-7 and B's into lanes 8-15 by a word permute of a.
+ * Signed x signed through u8 x s8: |w| times x with w's sign moved onto x. */
 INLINE void q8_tile(const QRow *xr, int mr, int64_t nb, const uint8_t *w, int64_t row,
-                    int64_t n0, int nr, float *res,
-                    SpreadPrefetch *pf) {
+                    int64_t n0, int nr, float *res, SpreadPrefetch *pf) {
     const int64_t bb = 34;
+    uint8_t take[64];
+    uint16_t head[32] = {0};
+    for (int j = 0; j < 64; j++) take[j] = (uint8_t)((j / 32) * bb + 2 + j % 32);
+    for (int l = 8; l < 16; l++) head[l] = (uint16_t)(bb / 2);
+    const __m512i weights = _mm512_loadu_si512(take), heads = _mm512_loadu_si512(head);
     __m512 acc[NR][MR];
     acc_zero(acc);
     const __m512i zero = _mm512_setzero_si512();
-    for (int64_t g = 0; g < nb; g += 16) {
-        const int64_t ng = nb - g < 16 ? nb - g : 16;
-        const __mmask16 gm = group_mask(ng);
-        __m512 s[NR][MR];
-        legacy_group_scales(xr, mr, w, row, Q8_0, n0, nr, g, gm, acc, s);
-        for (int64_t p = 0; p < ng; p += 2) {
-            spread_step(pf);
-            const __m512i lanes = pair_lanes((int)(p / 2));
-            const int has_b = p + 1 < ng;
-            __m512i xv[MR];
-            for (int i = 0; i < mr; i++) xv[i] = _mm512_loadu_si512(xr[i].xq + (g + p) * QK);
-            for (int r = 0; r < nr; r++) {
-                const uint8_t *a = w + (n0 + r) * row + (g + p) * bb + 2;
-                const __m256i qa = _mm256_loadu_si256((const __m256i *)a);
-                const __m256i qb = has_b ? _mm256_loadu_si256((const __m256i *)(a + bb))
-                                         : _mm256_setzero_si256();
-                const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1);
-                const __mmask64 neg = _mm512_movepi8_mask(q);
-                const __m512i aq = _mm512_abs_epi8(q);
-                for (int i = 0; i < mr; i++) {
-                    const __m512i xs = _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]);
-                    const __m512i dot = _mm512_dpbusd_epi32(zero, aq, xs);
-                    acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                                _mm512_permutexvar_ps(lanes, s[r][i]), acc[r][i]);
-                }
+    for (int64_t p = 0; p < nb; p += 2) {
+        spread_step(pf);
+        const int has_b = p + 1 < nb;
+        __m512i xv[MR];
+        __m512 dx[MR];
+        for (int i = 0; i < mr; i++) {
+            xv[i] = _mm512_loadu_si512(xr[i].xq + p * QK);
+            dx[i] = block_lanes(xr[i].dx + p, 8);
+        }
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *pair = w + (n0 + r) * row + p * bb;
+            const __m512i a = _mm512_maskz_loadu_epi8(line_mask(has_b ? 2 * bb : bb), pair);
+#ifdef __AVX512VBMI__
+            const __m512i q = _mm512_permutex2var_epi8(
+                a, weights, _mm512_maskz_loadu_epi8(line_mask(has_b ? 2 * bb - 64 : 0), pair + 64));
+#else
+            const __m512i q = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pair + 2))),
+                has_b ? _mm256_loadu_si256((const __m256i *)(pair + bb + 2)) : _mm256_setzero_si256(), 1);
+            (void)weights;
+#endif
+            const __m512 d = _mm512_cvtph_ps(_mm512_castsi512_si256(
+                _mm512_maskz_permutexvar_epi16(has_b ? 0xffffu : 0xffu, heads, a)));
+            const __mmask64 neg = _mm512_movepi8_mask(q);
+            const __m512i aq = _mm512_abs_epi8(q);
+            for (int i = 0; i < mr; i++) {
+                const __m512i xs = _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]);
+                const __m512i dot = _mm512_dpbusd_epi32(zero, aq, xs);
+                acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, dx[i]),
+                                            acc[r][i]);
             }
         }
     }
