@@ -451,8 +451,10 @@ INLINE void tile_out(const QRow *rows, int64_t i0, int mr, int64_t nb, const uin
     case Q4_K: kq_tile(rows + i0, mr, nb, w, row, Q4_K, n0, nr, res, pf); break;
     case Q5_K: kq_tile(rows + i0, mr, nb, w, row, Q5_K, n0, nr, res, pf); break;
     case Q6_K: q6k_tile(rows + i0, mr, nb, w, row, n0, nr, res, pf); break;
-    case Q5_0: case Q5_1: q5_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res, pf); break;
-    default: q4_tile(rows + i0, mr, nb, w, row, qtype, n0, nr, res, pf); break;
+    case Q5_0: q5_tile(rows + i0, mr, nb, w, row, Q5_0, n0, nr, res, pf); break;
+    case Q5_1: q5_tile(rows + i0, mr, nb, w, row, Q5_1, n0, nr, res, pf); break;
+    case Q4_0: q4_tile(rows + i0, mr, nb, w, row, Q4_0, n0, nr, res, pf); break;
+    default: q4_tile(rows + i0, mr, nb, w, row, Q4_1, n0, nr, res, pf); break;
     }
     for (int i = 0; i < mr; i++)
         for (int r = 0; r < nr; r++)
@@ -473,6 +475,18 @@ INLINE void group_tiles(const QRow *rows, int64_t M, int64_t nb, const uint8_t *
     case 1: tile_out(rows, i, 1, nb, w, row, qtype, n0, nr, bias, out, N, pf); break;
     default: break;
     }
+}
+
+/* group_tiles for a group of nr <= NR weight rows, compiled for nr = NR apart: with a constant
+ * count the tiles' accumulators stay in registers (with nr read at run time they were indexed
+ * on the stack: W4's 121 decode linears 4.7 -> 3.9 ms). */
+INLINE void feature_group(const QRow *rows, int64_t M, int64_t nb, const uint8_t *w, int64_t row,
+                          int qtype, int64_t n0, int nr, const float *bias, float *out, int64_t N,
+                          SpreadPrefetch *pf) {
+    if (nr == NR)
+        group_tiles(rows, M, nb, w, row, qtype, n0, NR, bias, out, N, pf);
+    else
+        group_tiles(rows, M, nb, w, row, qtype, n0, nr, bias, out, N, pf);
 }
 
 /* The order a row of x is quantized in for weights of `qtype` (q8_rows.h). */
@@ -525,7 +539,7 @@ int linear_q8act_team(const LinearQ8ActArgs *a) {
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
         /* each thread reads its groups in order; the first tile of a group asks for a later one */
         SpreadPrefetch ahead = spread_ahead(w, grp, groups, NR * row, N * row, (nb + 1) / 2);
-        group_tiles(rows, M, nb, w, row, qtype, n0, nr, a->bias, a->out, N, &ahead);
+        feature_group(rows, M, nb, w, row, qtype, n0, nr, a->bias, a->out, N, &ahead);
     }
     return 0;
 }

@@ -61,8 +61,8 @@ static void moe_q8_experts_linear(MoePairs s, int64_t E, const QRow *rows, int64
         const int nr = (int)(N - n0 < NR ? N - n0 : NR);
         const int64_t r0 = s.offsets[e], count = s.offsets[e + 1] - r0;
         SpreadPrefetch ahead = moe_group_ahead(s, E, w, N, row, NR, g, (nb + 1) / 2);
-        group_tiles(rows + r0, count, nb, w + e * N * row, row, qtype, n0, nr, NULL,
-                    out + r0 * N, N, &ahead);
+        feature_group(rows + r0, count, nb, w + e * N * row, row, qtype, n0, nr, NULL,
+                      out + r0 * N, N, &ahead);
     }
 }
 
