@@ -42,15 +42,27 @@ static inline void scales_mins_k4(const uint8_t *q, uint64_t *sc, uint64_t *m) {
 #ifdef __AVX512F__
 /* Q4_K/Q5_K: d_c and o_c of the 8 blocks of super-block `sb` in registers (what
  * k_quant_block_scales stores; kernels that combine two super-blocks into 16 lanes take them
- * this way, as a 512-bit load of two 256-bit stores would miss store forwarding). */
+ * this way, as a 512-bit load of two 256-bit stores would miss store forwarding). The 6-bit
+ * unpacking is scales_mins_k4's, done on the 16 head bytes in one vector register (one load,
+ * no scalar work: W5's Q4_K int8 linears ~1.1x on Zen 4); the same values to the bit. */
 static inline void k_quant_scales8(const uint8_t *sb, __m256 *ds, __m256 *os) {
-    const float d = f16_to_f32(sb), dmin = f16_to_f32(sb + 2);
-    uint64_t sc, m;
-    scales_mins_k4(sb + 4, &sc, &m);
-    const __m256 vsc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc)));
-    const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m)));
-    *ds = _mm256_mul_ps(_mm256_set1_ps(d), vsc);
-    *os = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), vm));
+    /* scales_mins_k4 on the 16 head bytes in one register: dwords [d dmin, w0, w1, w2] */
+    const __m128i v = _mm_loadu_si128((const __m128i *)sb);
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(3, 3, 2, 1));   /* w0 w1 w2 w2 */
+    const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 1));   /* w0 w1 w0 w1 */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x3f3f3f3f, 0x0f0f0f0f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(b, 2),
+                                     _mm_setr_epi32(0, 0, 0x30303030, 0x30303030));
+    /* bytes sc 0-3, m 0-3, sc 4-7, m 4-7 -> sc 0-7, m 0-7 */
+    const __m128i sm = _mm_shuffle_epi8(_mm_or_si128(lo, hi),
+                                        _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
+    const __m256 vsc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+    const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+    const __m128 dd = _mm_cvtph_ps(v);   /* lane 0 d, lane 1 dmin */
+    *ds = _mm256_mul_ps(_mm256_broadcastss_ps(dd), vsc);
+    *os = _mm256_sub_ps(_mm256_setzero_ps(),
+                        _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), vm));
 }
 #endif
 
