@@ -20,13 +20,12 @@ PROMPTS = ["Once upon a time", "The cat", "Lily and Ben went to the park. They",
 MAX_TOKENS = [4, 9, 14, 19, 24, 30]
 
 
-@pytest.fixture(scope="module")
-def mha_dir(tmp_path_factory, stories_dir) -> Path:
-    """A random Llama of stories260K's vocabulary with as many KV heads as query heads."""
+def _random_llama(tmp_path_factory, stories_dir, name: str, **changes) -> Path:
+    """A random Llama of stories260K's vocabulary and tokenizer, its config changed so."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    out = tmp_path_factory.mktemp("mha")
+    out = tmp_path_factory.mktemp(name)
     config = json.loads((stories_dir / "config.json").read_text())
-    config.update(num_key_value_heads=config["num_attention_heads"], num_hidden_layers=2)
+    config.update(changes)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config)).eval()
     model.save_pretrained(str(out), safe_serialization=True)
@@ -34,6 +33,22 @@ def mha_dir(tmp_path_factory, stories_dir) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def mha_dir(tmp_path_factory, stories_dir) -> Path:
+    """As many KV heads as query heads."""
+    return _random_llama(tmp_path_factory, stories_dir, "mha", num_hidden_layers=2,
+                         num_key_value_heads=json.loads(
+                             (stories_dir / "config.json").read_text())["num_attention_heads"])
+
+
+@pytest.fixture(scope="module")
+def dims32_dir(tmp_path_factory, stories_dir) -> Path:
+    """Every linear's dimensions multiples of 32 (the pair-tile bf16 linears' condition), an
+    LM head of its own (a tied one stays a plain weight)."""
+    return _random_llama(tmp_path_factory, stories_dir, "dims32", num_hidden_layers=2,
+                         intermediate_size=128, tie_word_embeddings=False)
 
 
 def _llm(model: Path, eager: bool, **options) -> LLM:
@@ -93,6 +108,25 @@ def test_program_tokens_and_logits_equal_the_eager_plan(stories_dir, case, monke
 def test_mha_program_equals_eager(mha_dir):
     eager = _generate(_llm(mha_dir, True, dtype="float32", quantization="q8_0"))
     assert _generate(_llm(mha_dir, False, dtype="float32", quantization="q8_0")) == eager
+
+
+def test_bf16dot_linears_in_a_program_equal_eager(dims32_dir):
+    """The AVX-512 BF16 linear (its own weight form) as program nodes: the eager plan's
+    tokens, and no linear left to Python."""
+    options = dict(dtype="bfloat16", kernel_selection={"linear": "linear_bf16dot_native"})
+    try:
+        eager = _generate(_llm(dims32_dir, True, **options))
+    except Exception as e:
+        if "linear_bf16dot_native" in str(e) and "does not have" in str(e):
+            pytest.skip("no AVX-512 BF16 linear on this CPU")
+        raise
+    llm = _llm(dims32_dir, False, **options)
+    assert _generate(llm) == eager
+    programs = [p.program for p in _programs(llm) if p.program is not None]
+    assert programs
+    for program in programs:
+        ops = {label.rsplit("(", 1)[1].rstrip(")") for label in program.fallbacks}
+        assert "linear" not in ops, program.fallbacks
 
 
 TORCH_NODES = CASES["fp32 packed, torch KV write and silu"]

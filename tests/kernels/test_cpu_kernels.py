@@ -62,8 +62,9 @@ DIMS: dict[str, list[dict[str, int]]] = {
 }
 TOKENS = [1, 3, 17, 130]
 # kernels offered only for some calls: what each claims (checked both ways below)
-NARROW = {"linear_amx_native": lambda dtype, d, tokens: dtype is torch.bfloat16
-          and d["in_features"] % 32 == 0 and d["out_features"] % 32 == 0,
+NARROW = {**{name: lambda dtype, d, tokens: dtype is torch.bfloat16
+             and d["in_features"] % 32 == 0 and d["out_features"] % 32 == 0
+             for name in ("linear_amx_native", "linear_bf16dot_native")},   # pair tiles
           "linear_q8act_amx": lambda dtype, d, tokens: tokens >= 16,   # tiles of 16 rows
           "linear_packed_amx": lambda dtype, d, tokens: tokens >= 16,
           "linear_f32_native": lambda dtype, d, tokens: dtype is torch.float32 and tokens <= 16,

@@ -197,6 +197,22 @@ def amx_kernels(device: str, not_offered: dict[str, str] | None = None,
     return []
 
 
+def bf16dot_kernels(device: str, not_offered: dict[str, str] | None = None,
+                    recorder: Any = None) -> list[Kernel]:
+    """The bfloat16 linear on AVX-512 BF16 dot products where the CPU has them (after the
+    plain linears: it reads its weight in a layout of its own); named not offered, without a
+    warning, on a CPU whose flags lack avx512_bf16."""
+    from tessellm_cpu.native_bf16dot import NativeBf16DotLinear
+    from tessellm_cpu.native_build import host_cpu_flags
+    specs = (("linear", "linear_bf16dot_native", NativeBf16DotLinear,
+              "C, AVX-512 BF16 dot products, weight packed once, next strip prefetched"),)
+    if "avx512_bf16" in host_cpu_flags():
+        return _built_kernels(specs, device, not_offered, recorder)
+    if not_offered is not None:
+        not_offered["linear_bf16dot_native"] = "this CPU has no AVX-512 BF16 (avx512_bf16)"
+    return []
+
+
 def _built_kernels(specs, device: str, not_offered: dict[str, str] | None,
                    recorder: Any = None) -> list[Kernel]:
     """A Kernel for each (op, name, build, description) whose build() succeeds; one that
@@ -291,4 +307,5 @@ def cpu_kernels(device: str, not_offered: dict[str, str] | None = None,
           "rows gathered per adapter, one GEMM pair per adapter present"),
         k("lora_add", "lora_add_dense_slots", portable.lora_add_dense_slots,
           "every slot for every row, a one-hot mask per row"),
-    ] + onednn_kernels(device, not_offered) + amx_kernels(device, not_offered, amx_missing)
+    ] + onednn_kernels(device, not_offered) + bf16dot_kernels(device, not_offered, recorder) \
+        + amx_kernels(device, not_offered, amx_missing)

@@ -1,9 +1,9 @@
 /* bfloat16 linear y = x @ W^T (+ bias) on AMX tiles, for the tessellm CPU plugin.
  *
- * The weight [N, K] is packed once (amx_pack_bf16) into the B-tile form TDPBF16PS reads: for
- * each strip of 32 output features and each block of 32 inputs, two 16 x 64-byte tiles (16
- * features each), row r holding the pairs (W[n][k0 + 2r], W[n][k0 + 2r + 1]) of its 16
- * features. A strip's blocks are contiguous, so a thread streams its strips front to back.
+ * The weight [N, K] is packed once (amx_pack_bf16) into the B-tile form TDPBF16PS reads
+ * (bf16_pair_tiles.h): for each strip of 32 output features and each block of 32 inputs, two
+ * 16 x 64-byte tiles. A strip's blocks are contiguous, so a thread streams its strips front
+ * to back.
  *
  * amx_linear_bf16_team (team.h; amx_linear_bf16_run for an eager call): x [M, K] contiguous
  * bfloat16, y [M, N] bfloat16, float32 sums, the bias
@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_pair_tiles.h"
 #include "prefetch.h"
 #include "team.h"
 
@@ -41,29 +42,14 @@
 
 enum { AMX_OK = 0, AMX_ERR_SHAPE = 1, AMX_ERR_ALLOC = 2, AMX_ERR_UNAVAILABLE = 3 };
 
-#define STRIP 32                 /* output features per strip (two B tiles) */
-#define KBLOCK 32                /* inputs per tile step */
-#define STRIP_BLOCK (STRIP * KBLOCK)   /* bf16 values of one (strip, k block) */
+#define STRIP PAIR_TILE_STRIP    /* output features per strip (two B tiles) */
+#define KBLOCK PAIR_TILE_KBLOCK  /* inputs per tile step */
+#define STRIP_BLOCK PAIR_TILE_BLOCK   /* bf16 values of one (strip, k block) */
 #define X_BLOCK_BYTES (512 * 1024)
 #define FEW_ROWS_MAX 64   /* more rows take the L1-blocked path */
 
 int amx_pack_bf16(const uint16_t *w, int64_t N, int64_t K, uint16_t *packed) {
-    if (N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
-    const int64_t strips = N / STRIP, kbs = K / KBLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t s = 0; s < strips; ++s)
-        for (int64_t kb = 0; kb < kbs; ++kb) {
-            uint16_t *dst = packed + (s * kbs + kb) * STRIP_BLOCK;
-            for (int t = 0; t < 2; ++t)
-                for (int r = 0; r < 16; ++r)
-                    for (int n = 0; n < 16; ++n) {
-                        const uint16_t *src = w + (s * STRIP + t * 16 + n) * K + kb * KBLOCK + 2 * r;
-                        uint16_t *d = dst + ((t * 16 + r) * 16 + n) * 2;
-                        d[0] = src[0];
-                        d[1] = src[1];
-                    }
-        }
-    return AMX_OK;
+    return pack_bf16_pair_tiles(w, N, K, packed) ? AMX_ERR_SHAPE : AMX_OK;
 }
 
 #if HAVE_AMX

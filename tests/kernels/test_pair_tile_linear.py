@@ -1,6 +1,8 @@
-"""The AMX bfloat16 linear (native/linear_amx.c) against F.linear: row counts around its
-16- and 32-row groups, several row blocks, bias or none; its weight packing; its refusals.
-Skipped where the machine has no AMX (the kernel is then not offered: see test_not_offered)."""
+"""The bfloat16 linears over the pair-tile weight form against F.linear: AMX tiles
+(native/linear_amx.c) and AVX-512 BF16 dot products (native/linear_bf16dot.c). Row counts
+around the AMX 16- and 32-row groups and the dot-product kernel's 8-row tiles, several row
+blocks, bias or none; the weight packing; the refusals. Each is skipped where the machine
+lacks its instructions (it is then not offered: see the not-offered tests)."""
 from __future__ import annotations
 
 import pytest
@@ -12,20 +14,28 @@ from tessellm_cpu.native_build import NativeBuildError
 from tessellm.plugin_api import KernelQuery
 
 
-@pytest.fixture(scope="module")
-def amx():
-    from tessellm_cpu.native_amx import NativeAmxLinear
-    try:
+def _build(kind: str):
+    if kind == "amx":
+        from tessellm_cpu.native_amx import NativeAmxLinear
         return NativeAmxLinear()
+    from tessellm_cpu.native_bf16dot import NativeBf16DotLinear
+    return NativeBf16DotLinear()
+
+
+@pytest.fixture(scope="module", params=["amx", "bf16dot"])
+def amx(request):
+    """One pair-tile linear (the name is historical: the AMX one came first)."""
+    try:
+        return _build(request.param)
     except NativeBuildError as e:
-        pytest.skip(f"no AMX linear here: {e}")
+        pytest.skip(f"no {request.param} linear here: {e}")
 
 
 def _bf16(gen, *shape, scale=1.0):
     return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 15, 16, 17, 32, 33, 64, 100])
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_linear_matches_f_linear(amx, rows: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -39,8 +49,8 @@ def test_amx_linear_matches_f_linear(amx, rows: int, bias: bool) -> None:
 
 
 def test_rows_in_several_blocks_and_a_non_contiguous_input(amx) -> None:
-    """K = 2048 gives blocks of 128 rows (x_block_rows): 300 rows are three blocks, the last
-    ending in a partial group of 12."""
+    """K = 2048 gives blocks of 128 rows (both kernels' 512 KiB of x): 300 rows are three
+    blocks, the last ending in a partial group of 12 (AMX) / tile of 4 (dot products)."""
     gen = torch.Generator().manual_seed(7)
     x, w = _bf16(gen, 300, 4096)[:, ::2], _bf16(gen, 64, 2048, scale=2048 ** -0.5)
     assert not x.is_contiguous()
@@ -88,9 +98,12 @@ def test_offered_after_the_plain_linears_with_its_layout(amx, monkeypatch) -> No
     monkeypatch.delenv("TESSELLM_CPU_NO_AMX", raising=False)
     linears = [k for k in cpu_kernels("cpu") if k.op == "linear"]
     names = [k.name for k in linears]
-    assert names.index("linear_amx_native") > names.index("linear_aten")
-    kernel = linears[names.index("linear_amx_native")]
-    assert kernel.weight_layout is not None and kernel.weight_layout.name == "amx_bf16_tiles"
+    name = {"amx_bf16_tiles": "linear_amx_native",
+            "bf16dot_pair_tiles": "linear_bf16dot_native"}[amx.weight_layout.name]
+    assert names.index(name) > names.index("linear_aten")
+    kernel = linears[names.index(name)]
+    assert kernel.weight_layout is not None
+    assert kernel.weight_layout.name == amx.weight_layout.name
 
 
 def test_not_offered_without_amx(monkeypatch) -> None:
@@ -108,3 +121,15 @@ def test_not_offered_without_amx(monkeypatch) -> None:
     names = [k.name for k in cpu_kernels("cpu", not_offered) if k.op == "linear"]
     assert "linear_amx_native" not in names and "linear_aten" in names
     assert "simulated" in not_offered["linear_amx_native"]
+
+
+def test_bf16dot_not_offered_without_avx512_bf16(monkeypatch) -> None:
+    """A CPU whose flags lack avx512_bf16 names the dot-product linear not offered (no build,
+    no warning); the other linears stay."""
+    import tessellm_cpu.native_build as native_build
+    monkeypatch.setattr(native_build, "host_cpu_flags", lambda: frozenset({"avx512f"}))
+    not_offered: dict[str, str] = {}
+    names = [k.name for k in cpu_kernels("cpu", not_offered) if k.op == "linear"]
+    assert "linear_bf16dot_native" not in names and "linear_aten" in names
+    assert "avx512_bf16" in not_offered["linear_bf16dot_native"]
+
