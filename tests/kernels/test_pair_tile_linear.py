@@ -23,8 +23,8 @@ def _build(kind: str):
 
 
 @pytest.fixture(scope="module", params=["amx", "bf16dot"])
-def amx(request):
-    """One pair-tile linear (the name is historical: the AMX one came first)."""
+def linear(request):
+    """Each pair-tile linear in turn."""
     try:
         return _build(request.param)
     except NativeBuildError as e:
@@ -37,73 +37,75 @@ def _bf16(gen, *shape, scale=1.0):
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 15, 16, 17, 32, 33, 64, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_matches_f_linear(amx, rows: int, bias: bool) -> None:
+def test_matches_f_linear(linear, rows: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
     n, k = 96, 128
     x, w = _bf16(gen, rows, k), _bf16(gen, n, k, scale=k ** -0.5)
     b = _bf16(gen, n) if bias else None
-    got = amx(x, amx.prepare(w), b)
+    got = linear(x, linear.prepare(w), b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # both sum in float32 and round once; only the order of the sums differs
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
 
 
-def test_rows_in_several_blocks_and_a_non_contiguous_input(amx) -> None:
+def test_rows_in_several_blocks_and_a_non_contiguous_input(linear) -> None:
     """K = 2048 gives blocks of 128 rows (both kernels' 512 KiB of x): 300 rows are three
     blocks, the last ending in a partial group of 12 (AMX) / tile of 4 (dot products)."""
     gen = torch.Generator().manual_seed(7)
     x, w = _bf16(gen, 300, 4096)[:, ::2], _bf16(gen, 64, 2048, scale=2048 ** -0.5)
     assert not x.is_contiguous()
-    torch.testing.assert_close(amx(x, amx.prepare(w)), F.linear(x, w), rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(linear(x, linear.prepare(w)), F.linear(x, w), rtol=1.6e-2,
+                               atol=1e-2)
 
 
-def test_many_rows_over_several_strip_blocks_and_k_chunks(amx) -> None:
+def test_many_rows_over_several_strip_blocks_and_k_chunks(linear) -> None:
     """Past 64 rows the L1-blocked path: 1088 outputs are 34 strips (17 per thread of two,
     more than one block of 16), K = 320 two K chunks (8 + 2 tile steps), 270 rows two row
     blocks (256 + 14, the last group partial), with a bias."""
     gen = torch.Generator().manual_seed(11)
     x, w, b = _bf16(gen, 270, 320), _bf16(gen, 1088, 320, scale=320 ** -0.5), _bf16(gen, 1088)
-    torch.testing.assert_close(amx(x, amx.prepare(w), b), F.linear(x, w, b), rtol=1.6e-2,
+    torch.testing.assert_close(linear(x, linear.prepare(w), b), F.linear(x, w, b), rtol=1.6e-2,
                                atol=1e-2)
 
 
-def test_packed_weight_is_the_same_bytes_in_tile_order(amx) -> None:
+def test_packed_weight_is_the_same_bytes_in_tile_order(linear) -> None:
     w = torch.arange(64 * 32, dtype=torch.float32).view(64, 32).to(torch.bfloat16)
-    packed = amx.prepare(w)
+    packed = linear.prepare(w)
     assert packed.shape == (2, 1, 2, 16, 32) and packed.nbytes == w.nbytes
     # strip 1, tile 0, pair row 3, feature 5: (W[32 + 5][6], W[32 + 5][7])
     assert packed[1, 0, 0, 3, 10:12].tolist() == w[37, 6:8].tolist()
     assert sorted(packed.flatten().float().tolist()) == sorted(w.flatten().float().tolist())
 
 
-def test_refusals(amx) -> None:
+def test_refusals(linear) -> None:
     with pytest.raises(ValueError, match="multiples of 32"):
-        amx.prepare(torch.zeros(40, 64, dtype=torch.bfloat16))
+        linear.prepare(torch.zeros(40, 64, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="bfloat16"):
-        amx.prepare(torch.zeros(32, 64))
-    packed = amx.prepare(torch.zeros(32, 64, dtype=torch.bfloat16))
+        linear.prepare(torch.zeros(32, 64))
+    packed = linear.prepare(torch.zeros(32, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="rows of 64 features"):
-        amx(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+        linear(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
     with pytest.raises(TypeError, match="form its prepare makes"):
-        amx(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16))
+        linear(torch.zeros(2, 64, dtype=torch.bfloat16),
+               torch.zeros(32, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="a bias of 5 values for 32"):
-        amx(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(5))
+        linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(5))
     dims = lambda k, n: (("bias", 0), ("in_features", k), ("out_features", n))  # noqa: E731
-    assert amx.supports(KernelQuery("linear", torch.bfloat16, 8, dims(64, 32)))
-    assert not amx.supports(KernelQuery("linear", torch.float32, 8, dims(64, 32)))
-    assert not amx.supports(KernelQuery("linear", torch.bfloat16, 8, dims(576, 40)))
+    assert linear.supports(KernelQuery("linear", torch.bfloat16, 8, dims(64, 32)))
+    assert not linear.supports(KernelQuery("linear", torch.float32, 8, dims(64, 32)))
+    assert not linear.supports(KernelQuery("linear", torch.bfloat16, 8, dims(576, 40)))
 
 
-def test_offered_after_the_plain_linears_with_its_layout(amx, monkeypatch) -> None:
+def test_offered_after_the_plain_linears_with_its_layout(linear, monkeypatch) -> None:
     monkeypatch.delenv("TESSELLM_CPU_NO_AMX", raising=False)
     linears = [k for k in cpu_kernels("cpu") if k.op == "linear"]
     names = [k.name for k in linears]
     name = {"amx_bf16_tiles": "linear_amx_native",
-            "bf16dot_pair_tiles": "linear_bf16dot_native"}[amx.weight_layout.name]
+            "bf16dot_pair_tiles": "linear_bf16dot_native"}[linear.weight_layout.name]
     assert names.index(name) > names.index("linear_aten")
     kernel = linears[names.index(name)]
     assert kernel.weight_layout is not None
-    assert kernel.weight_layout.name == amx.weight_layout.name
+    assert kernel.weight_layout.name == linear.weight_layout.name
 
 
 def test_not_offered_without_amx(monkeypatch) -> None:

@@ -15,12 +15,6 @@ from tessellm_cpu.native_pair_tiles import NATIVE, PairTileLinear
 
 SOURCE = NATIVE / "linear_amx.c"
 AMX_OK, AMX_ERR_SHAPE, AMX_ERR_ALLOC, AMX_ERR_UNAVAILABLE = 0, 1, 2, 3
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class AmxLinearArgs(ctypes.Structure):
-    _fields_ = [("x", _ptr), ("M", _i64), ("K", _i64), ("packed", _ptr), ("N", _i64),
-                ("bias", _ptr), ("y", _ptr), ("threads", ctypes.c_int), ("scratch", _ptr)]
 
 
 class NativeAmxLinear(PairTileLinear):
@@ -37,8 +31,7 @@ class NativeAmxLinear(PairTileLinear):
         if enable() != AMX_OK:
             raise NativeBuildError("no AMX here: the build's CPU flags lack AMX-BF16, or Linux "
                                    "refused this process the AMX tile state")
-        super().__init__(native, "amx_pack_bf16", "amx_linear_bf16", AmxLinearArgs,
-                         scratch=True)
+        super().__init__(native, "amx_pack_bf16", "amx_linear_bf16", scratch=True)
 
     def _raise_error(self, rc: int) -> None:
         if rc == AMX_ERR_ALLOC:

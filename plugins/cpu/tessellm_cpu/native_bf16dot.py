@@ -13,13 +13,6 @@ from tessellm_cpu.native_build import NativeBuildError, build_library, entry_poi
 from tessellm_cpu.native_pair_tiles import NATIVE, PairTileLinear
 
 SOURCE = NATIVE / "linear_bf16dot.c"
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-class Bf16DotLinearArgs(ctypes.Structure):
-    _fields_ = [("x", _ptr), ("M", _i64), ("K", _i64), ("packed", _ptr), ("N", _i64),
-                ("bias", _ptr), ("y", _ptr), ("threads", ctypes.c_int)]
-
 
 class NativeBf16DotLinear(PairTileLinear):
     """The pair-tile linear on VDPBF16PS (no scratch, no barrier)."""
@@ -34,5 +27,4 @@ class NativeBf16DotLinear(PairTileLinear):
         if available() != 0:
             raise NativeBuildError("no AVX-512 BF16 here: the build's CPU flags lack "
                                    "avx512_bf16")
-        super().__init__(native, "bf16dot_pack", "bf16dot_linear", Bf16DotLinearArgs,
-                         scratch=False)
+        super().__init__(native, "bf16dot_pack", "bf16dot_linear", scratch=False)

@@ -23,21 +23,26 @@ NATIVE = Path(__file__).with_name("native")
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
+class PairTileLinearArgs(ctypes.Structure):
+    """native/bf16_pair_tiles.h's PairTileLinearArgs (scratch: set by the launch where the
+    kernel has a `<stem>_scratch`)."""
+    _fields_ = [("x", _ptr), ("M", _i64), ("K", _i64), ("packed", _ptr), ("N", _i64),
+                ("bias", _ptr), ("y", _ptr), ("threads", ctypes.c_int), ("scratch", _ptr)]
+
+
 class PairTileLinear(TeamKernelC):
     """linear(x, packed, bias) with `packed` from `prepare`; `weight_layout` names that form.
-    A subclass names its library's entry points (`pack`, the team `stem`) and its args
-    Structure, which starts with x, M, K, packed, N, bias, y, threads."""
+    A subclass names its library's entry points: `pack` and the team kernel's `stem`, with a
+    `<stem>_scratch` when `scratch`."""
 
     label = "pair-tile linear"
     layout_name = ""
 
-    def __init__(self, native: NativeLibrary, pack: str, stem: str,
-                 args: type[ctypes.Structure], scratch: bool) -> None:
+    def __init__(self, native: NativeLibrary, pack: str, stem: str, scratch: bool) -> None:
         self.code_hash = native.key
-        self._args = args
         self._pack = entry_point(native, pack)
         self._pack.argtypes, self._pack.restype = [_ptr, _i64, _i64, _ptr], ctypes.c_int
-        self._entry = TeamEntry(native, stem, args, scratch=scratch)
+        self._entry = TeamEntry(native, stem, PairTileLinearArgs, scratch=scratch)
         self.weight_layout = WeightLayout(self.layout_name, self.prepare)
 
     @staticmethod
@@ -87,7 +92,7 @@ class PairTileLinear(TeamKernelC):
                 raise ValueError(f"{self.label}: a bias of {bb.numel()} values for {n} "
                                  "output features (on the CPU)")
         out = self._empty(b, (x.shape[0], n), torch.bfloat16)
-        args = self._args(x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
-                          0 if bb is None else bb.data_ptr(), out.data_ptr(),
-                          0 if b is None else b.threads)
+        args = PairTileLinearArgs(x.data_ptr(), x.shape[0], k, packed.data_ptr(), n,
+                                  0 if bb is None else bb.data_ptr(), out.data_ptr(),
+                                  0 if b is None else b.threads, 0)
         return self._launch(b, self._entry, args, out, self._raise_error, "linear")

@@ -13,6 +13,20 @@
 #define PAIR_TILE_KBLOCK 32                /* inputs per block */
 #define PAIR_TILE_BLOCK (PAIR_TILE_STRIP * PAIR_TILE_KBLOCK)   /* bf16 values of one block */
 
+/* A pair-tile linear's arguments (team.h): x [M, K] and y [M, N] contiguous bfloat16, the
+ * packed weight, the bias (bfloat16, or NULL), the team's threads, and the kernel's scratch
+ * (NULL for a kernel that needs none). */
+typedef struct {
+    const uint16_t *x;
+    int64_t M, K;
+    const uint16_t *packed;
+    int64_t N;
+    const uint16_t *bias;
+    uint16_t *y;
+    int threads;
+    void *scratch;
+} PairTileLinearArgs;
+
 /* 0, or 1 when N or K is not a positive multiple of 32. */
 static inline int pack_bf16_pair_tiles(const uint16_t *w, int64_t N, int64_t K,
                                        uint16_t *packed) {

@@ -224,31 +224,22 @@ static void linear_many_rows(const uint16_t *x, const uint16_t *pad, int64_t M, 
     }
 }
 
-/* The linear's arguments (team.h): scratch holds the zero-padded last row group (when M is
- * not a multiple of 32), then, past FEW_ROWS_MAX rows, every thread's float32 sums. */
-typedef struct {
-    const uint16_t *x;
-    int64_t M, K;
-    const uint16_t *packed;
-    int64_t N;
-    const uint16_t *bias;
-    uint16_t *y;
-    int threads;
-    void *scratch;
-} AmxLinearArgs;
+/* The scratch of a call (PairTileLinearArgs.scratch) holds the zero-padded last row group
+ * (when M is not a multiple of 32), then, past FEW_ROWS_MAX rows, every thread's float32
+ * sums. */
 
-static int64_t pad_bytes(const AmxLinearArgs *a) {
+static int64_t pad_bytes(const PairTileLinearArgs *a) {
     return a->M % 32 ? (32 * a->K * (int64_t)sizeof(uint16_t) + 63) / 64 * 64 : 0;
 }
 
-int64_t amx_linear_bf16_scratch(const AmxLinearArgs *a) {
+int64_t amx_linear_bf16_scratch(const PairTileLinearArgs *a) {
     if (a->M <= 0 || a->K <= 0) return 0;
     const int64_t acc = a->M > FEW_ROWS_MAX
         ? (int64_t)a->threads * (MB / 32) * NC * 1024 * (int64_t)sizeof(float) : 0;
     return pad_bytes(a) + acc;
 }
 
-int amx_linear_bf16_team(const AmxLinearArgs *a) {
+int amx_linear_bf16_team(const PairTileLinearArgs *a) {
     const int64_t M = a->M, K = a->K, N = a->N;
     if (M < 0 || N <= 0 || K <= 0 || N % STRIP || K % KBLOCK) return AMX_ERR_SHAPE;
     if (M == 0) return AMX_OK;
@@ -269,7 +260,7 @@ int amx_linear_bf16_team(const AmxLinearArgs *a) {
 }
 
 /* An eager call: AMX_OK, AMX_ERR_SHAPE, or AMX_ERR_ALLOC when the scratch cannot be had. */
-int amx_linear_bf16_run(AmxLinearArgs *a) {
+int amx_linear_bf16_run(PairTileLinearArgs *a) {
     a->threads = team_threads();
     return TEAM_RUN_WITH_SCRATCH(amx_linear_bf16_team, a, amx_linear_bf16_scratch(a),
                                  a->threads, 0, AMX_ERR_ALLOC);
@@ -277,8 +268,7 @@ int amx_linear_bf16_run(AmxLinearArgs *a) {
 #else
 int amx_enable(void) { return AMX_ERR_UNAVAILABLE; }
 
-typedef struct { int unused; } AmxLinearArgs;
-int64_t amx_linear_bf16_scratch(const AmxLinearArgs *a) { (void)a; return 0; }
-int amx_linear_bf16_team(const AmxLinearArgs *a) { (void)a; return AMX_ERR_UNAVAILABLE; }
-int amx_linear_bf16_run(AmxLinearArgs *a) { (void)a; return AMX_ERR_UNAVAILABLE; }
+int64_t amx_linear_bf16_scratch(const PairTileLinearArgs *a) { (void)a; return 0; }
+int amx_linear_bf16_team(const PairTileLinearArgs *a) { (void)a; return AMX_ERR_UNAVAILABLE; }
+int amx_linear_bf16_run(PairTileLinearArgs *a) { (void)a; return AMX_ERR_UNAVAILABLE; }
 #endif

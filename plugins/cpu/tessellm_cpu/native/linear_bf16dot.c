@@ -15,8 +15,8 @@
  * the thread asks for strip s + 1 (spread over those tiles, a few lines per input block, not
  * in a burst that would fill the line-fill buffers); a block of one tile (decode with few
  * rows) instead reads ahead PREFETCH_BYTES into its own run, which is contiguous. Threads
- * share nothing; no scratch, no barrier (the caller's orders the writes). K and N must be
- * multiples of 32 (BF16DOT_ERR_SHAPE otherwise).
+ * share nothing; no scratch (a->scratch unused), no barrier (the caller's orders the
+ * writes). K and N must be multiples of 32 (BF16DOT_ERR_SHAPE otherwise).
  *
  * Why not oneDNN: on Zen 4 its prepacked bf16 linear at 64 rows (W1's decode) runs at ~0.85x
  * of what the same core does with the weights hot; this kernel's spread prefetch keeps the
@@ -113,17 +113,7 @@ static void strip_tile_rows(const uint16_t *x, int64_t K, const uint16_t *bs, in
     }
 }
 
-typedef struct {
-    const uint16_t *x;
-    int64_t M, K;
-    const uint16_t *packed;
-    int64_t N;
-    const uint16_t *bias;
-    uint16_t *y;
-    int threads;
-} Bf16DotLinearArgs;
-
-int bf16dot_linear_team(const Bf16DotLinearArgs *a) {
+int bf16dot_linear_team(const PairTileLinearArgs *a) {
     const int64_t M = a->M, K = a->K, N = a->N;
     if (M < 0 || N <= 0 || K <= 0 || N % PAIR_TILE_STRIP || K % PAIR_TILE_KBLOCK)
         return BF16DOT_ERR_SHAPE;
@@ -154,14 +144,13 @@ int bf16dot_linear_team(const Bf16DotLinearArgs *a) {
     return BF16DOT_OK;
 }
 
-int bf16dot_linear_run(Bf16DotLinearArgs *a) {
+int bf16dot_linear_run(PairTileLinearArgs *a) {
     a->threads = team_threads();
     return team_run((int (*)(const void *))bf16dot_linear_team, a, a->threads, 0);
 }
 #else
 int bf16dot_available(void) { return BF16DOT_ERR_UNAVAILABLE; }
 
-typedef struct { int unused; } Bf16DotLinearArgs;
-int bf16dot_linear_team(const Bf16DotLinearArgs *a) { (void)a; return BF16DOT_ERR_UNAVAILABLE; }
-int bf16dot_linear_run(Bf16DotLinearArgs *a) { (void)a; return BF16DOT_ERR_UNAVAILABLE; }
+int bf16dot_linear_team(const PairTileLinearArgs *a) { (void)a; return BF16DOT_ERR_UNAVAILABLE; }
+int bf16dot_linear_run(PairTileLinearArgs *a) { (void)a; return BF16DOT_ERR_UNAVAILABLE; }
 #endif
