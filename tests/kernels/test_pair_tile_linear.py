@@ -14,12 +14,16 @@ from tessellm_cpu.native_build import NativeBuildError
 from tessellm.plugin_api import KernelQuery
 
 
-def _build(kind: str):
+def _build_class(kind: str) -> type:
     if kind == "amx":
         from tessellm_cpu.native_amx import NativeAmxLinear
-        return NativeAmxLinear()
+        return NativeAmxLinear
     from tessellm_cpu.native_bf16dot import NativeBf16DotLinear
-    return NativeBf16DotLinear()
+    return NativeBf16DotLinear
+
+
+def _build(kind: str):
+    return _build_class(kind)()
 
 
 @pytest.fixture(scope="module", params=["amx", "bf16dot"])
@@ -66,6 +70,23 @@ def test_many_rows_over_several_strip_blocks_and_k_chunks(linear) -> None:
     x, w, b = _bf16(gen, 270, 320), _bf16(gen, 1088, 320, scale=320 ** -0.5), _bf16(gen, 1088)
     torch.testing.assert_close(linear(x, linear.prepare(w), b), F.linear(x, w, b), rtol=1.6e-2,
                                atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [9, 16, 24])
+@pytest.mark.parametrize("k", [32, 288])
+def test_decode_rows_in_chunks_equal_each_row_alone(linear, rows: int, k: int) -> None:
+    """9..24 rows: the dot-product kernel takes each strip in chunks of 4 input blocks (K =
+    288: 4 + 4 + 1; K = 32: one partial chunk), its sums waiting in float32 between chunks.
+    The sums keep their order, so each row equals that row computed alone (one tile, whole
+    strips) to the bit; 96 outputs are 3 strips, split unevenly over two threads."""
+    gen = torch.Generator().manual_seed(rows + k)
+    x, w, b = _bf16(gen, rows, k), _bf16(gen, 96, k, scale=k ** -0.5), _bf16(gen, 96)
+    packed = linear.prepare(w)
+    got = linear(x, packed, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
+    if isinstance(linear, _build_class("bf16dot")):   # AMX tiles sum in their own order
+        alone = torch.cat([linear(x[i:i + 1], packed, b) for i in range(rows)])
+        assert torch.equal(got, alone)
 
 
 def test_packed_weight_is_the_same_bytes_in_tile_order(linear) -> None:

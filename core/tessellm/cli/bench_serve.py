@@ -11,6 +11,12 @@ Shared-prefix workload (`shared_prefixes` > 0, the data-parallel routing figure 
 each request is one of them (chosen at random) followed by its own `input_len` random ids.
 The report then adds the prefix-cache hit tokens the run produced (the server's
 `tessellm:prefix_cache_hits` before and after, in total and per `replica` label).
+
+Against a tessellm server the report also has "server_steps": the engine steps the run took
+and its engine cores' time per step by stage (`tessellm:engine_stage_seconds` and
+`tessellm:engine_steps` before and after, summed over replicas). "host_ms_per_step" is every
+core stage but "execute" (the forward pass): the per-step host time of issue #29's W2 figure.
+Servers without those series (vLLM) get no "server_steps".
 """
 from __future__ import annotations
 
@@ -76,20 +82,58 @@ async def _one(session: Any, url: str, body: dict[str, Any], headers: dict[str, 
     return RequestResult(True, ttft if ttft is not None else end, end, usage_tokens)
 
 
-def prefix_hits(metrics_text: str) -> dict[str, float]:
-    """`tessellm:prefix_cache_hits_total` per replica label ("" without one)."""
-    out: dict[str, float] = {}
+def _label(key: str, name: str) -> str:
+    """The value of label `name` in a sample's `series{...}` key ("" without it)."""
+    return key.partition(f'{name}="')[2].partition('"')[0]
+
+
+def _samples(metrics_text: str, series: str) -> list[tuple[str, float]]:
+    """(the key with its labels, value) of every sample of `series` in a Prometheus text."""
+    out = []
     for line in metrics_text.splitlines():
-        if line.startswith("tessellm:prefix_cache_hits_total"):
+        if line.startswith(series) and line[len(series):len(series) + 1] in ("{", " "):
             key, _, value = line.rpartition(" ")
-            replica = key.partition('replica="')[2].partition('"')[0]
-            out[replica] = float(value)
+            out.append((key, float(value)))
     return out
 
 
-async def _prefix_hits(session: Any, base: str, headers: dict[str, str]) -> dict[str, float]:
+def prefix_hits(metrics_text: str) -> dict[str, float]:
+    """`tessellm:prefix_cache_hits_total` per replica label ("" without one)."""
+    return {_label(key, "replica"): v
+            for key, v in _samples(metrics_text, "tessellm:prefix_cache_hits_total")}
+
+
+def engine_step_totals(metrics_text: str) -> tuple[float, dict[str, float]] | None:
+    """(engine steps, {stage: seconds}), each summed over replicas; None where the server
+    exports no `tessellm:engine_steps_total` (not a tessellm server)."""
+    steps = _samples(metrics_text, "tessellm:engine_steps_total")
+    if not steps:
+        return None
+    stages: dict[str, float] = {}
+    for key, v in _samples(metrics_text, "tessellm:engine_stage_seconds_total"):
+        stage = _label(key, "stage")
+        stages[stage] = stages.get(stage, 0.0) + v
+    return sum(v for _, v in steps), stages
+
+
+def server_steps(before: tuple[float, dict[str, float]] | None,
+                 after: tuple[float, dict[str, float]] | None) -> dict[str, Any] | None:
+    """What a run cost the server per engine step: {"steps", "stage_ms_per_step",
+    "host_ms_per_step"} from totals before and after it; None without totals or steps.
+    "detokenize" is the front end's, outside the engine core's step, and not host time."""
+    if before is None or after is None or after[0] - before[0] <= 0:
+        return None
+    steps = after[0] - before[0]
+    per_step = {stage: round((s - before[1].get(stage, 0.0)) / steps * 1e3, 3)
+                for stage, s in sorted(after[1].items())}
+    host = sum(ms for stage, ms in per_step.items() if stage not in ("execute", "detokenize"))
+    return {"steps": int(steps), "stage_ms_per_step": per_step,
+            "host_ms_per_step": round(host, 3)}
+
+
+async def _metrics(session: Any, base: str, headers: dict[str, str]) -> str:
     async with session.get(f"{base}/metrics", headers=headers) as r:
-        return prefix_hits(await r.text())
+        return await r.text()
 
 
 def make_prompts(rng: np.random.Generator, num_prompts: int, input_len: int, vocab_size: int,
@@ -126,7 +170,7 @@ async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input
         if model is None:
             async with session.get(f"{base}/v1/models", headers=headers) as r:
                 model = (await r.json())["data"][0]["id"]
-        hits_before = await _prefix_hits(session, base, headers)
+        metrics_before = await _metrics(session, base, headers)
         tasks = []
         t0 = time.perf_counter()
         for prompt, gap in zip(prompts, gaps):
@@ -138,7 +182,9 @@ async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input
                 _one(session, f"{base}/v1/completions", body, headers)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
-        hits_after = await _prefix_hits(session, base, headers)
+        metrics_after = await _metrics(session, base, headers)
+    hits_before, hits_after = prefix_hits(metrics_before), prefix_hits(metrics_after)
+    steps = server_steps(engine_step_totals(metrics_before), engine_step_totals(metrics_after))
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.completion_tokens for r in ok)
     gained = {k: v - hits_before.get(k, 0.0) for k, v in sorted(hits_after.items())}
@@ -157,4 +203,5 @@ async def run_bench_serve(url: str, num_prompts: int, request_rate: float, input
         "e2e_ms": _percentiles([r.latency_s for r in ok]),
         "prefix_hit_tokens": sum(gained.values()),
         **({"prefix_hit_tokens_by_replica": gained} if any(k for k in gained) else {}),
+        **({"server_steps": steps} if steps is not None else {}),
     }
