@@ -1,7 +1,8 @@
 """bfloat16 linear on AVX-512 BF16 dot products (native/linear_bf16dot.c), for CPUs without
 AMX that have VDPBF16PS (AMD Zen 4 and later, Intel Cooper Lake). It reads the pair-tile
 weight form (native_pair_tiles) a row tile of 8 rows against a strip of 32 features at a
-time, asking for the next strip while it computes. Offered where the build has AVX-512 BF16;
+time, asking for the next strip while it computes; 9..24 rows (two or three tiles) take each
+strip in 8 KiB chunks so the later tiles read it from L1. Offered where the build has AVX-512 BF16;
 on Zen 4 it beats oneDNN's prepacked linear at decode's row counts with the weights out of
 cache, and the profiler picks per bucket (docs/architecture.md has the figures).
 """
