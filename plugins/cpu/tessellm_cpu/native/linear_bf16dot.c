@@ -76,7 +76,7 @@ static inline __m512 bias16(const uint16_t *bias) {
 
 /* `rows` (<= ROWS, a constant where inlined) rows of x against blocks b[0..nb) of one strip
  * (x at the first block's inputs, K apart). The sums start at zero when `first`, else from
- * `part` (rows x 32 float32); when `last` they go to y with the bias, else back to `part`.
+ * `part` (rows x PAIR_TILE_STRIP float32); when `last` they go to y with the bias, else back to `part`.
  * Per input block it asks for `pf_per` lines from `pf` (pf_lines in all; into L2 when `l2`,
  * else L1), or, when `stream`, the block PREFETCH_BYTES ahead of the one it reads. */
 static inline __attribute__((always_inline)) void tile(
@@ -86,8 +86,9 @@ static inline __attribute__((always_inline)) void tile(
     const int64_t pf_per = (pf_lines + nb - 1) / nb;
     __m512 acc[ROWS][2];
     for (int i = 0; i < rows; ++i) {
-        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + i * 32);
-        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + i * 32 + 16);
+        float *p = part + i * PAIR_TILE_STRIP;
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_load_ps(p);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_load_ps(p + 16);
     }
     for (int64_t kb = 0; kb < nb; ++kb) {
         const uint16_t *bk = b + kb * PAIR_TILE_BLOCK;
@@ -121,8 +122,8 @@ static inline __attribute__((always_inline)) void tile(
         }
     } else {
         for (int i = 0; i < rows; ++i) {
-            _mm512_store_ps(part + i * 32, acc[i][0]);
-            _mm512_store_ps(part + i * 32 + 16, acc[i][1]);
+            _mm512_store_ps(part + i * PAIR_TILE_STRIP, acc[i][0]);
+            _mm512_store_ps(part + i * PAIR_TILE_STRIP + 16, acc[i][1]);
         }
     }
 }
