@@ -6,8 +6,11 @@ to itself, K/V read in place through shuffled block tables. Head sizes 64 and 12
 as constants) and 80, 96 (run-time size), block sizes 16 and 32 (and 1, 8, 24: blocks the
 16-row score groups do not divide), float32 and bfloat16, fresh prompts and chunks after
 cached context, GQA and plain heads, tables padded past what each sequence uses, and garbage
-in every slot no sequence owns. Bad query offsets raise a ValueError naming them; the checks
-shared with the decode (lengths past the table, block ids outside the pool) hold here too.
+in every slot no sequence owns. Query heads per KV head from 1 to 16 run in tiles of 16 query
+rows (prefill_tiles.h; 32 runs each token as a decode), with sliding windows and soft-caps; a
+row's result is the same to the bit whichever tile, chunk of its prompt or step it falls in.
+Bad query offsets raise a ValueError naming them; the checks shared with the decode (lengths
+past the table, block ids outside the pool) hold here too.
 """
 from __future__ import annotations
 
@@ -67,6 +70,50 @@ def test_prefill_with_blocks_not_a_multiple_of_16_rows(native: NativePrefill, bl
                                   num_heads=4, num_kv_heads=4)
     torch.testing.assert_close(native(q, cache, meta, scale),
                                paged_attention(q, cache, meta, scale), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (15, 3), (10, 2), (8, 1), (16, 1),
+                                            (32, 1)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (21, 0.0), (0, 30.0), (9, 50.0)])
+def test_prefill_groups_windows_and_softcaps(native: NativePrefill, heads: int, kv_heads: int,
+                                             window: int, softcap: float,
+                                             dtype: torch.dtype) -> None:
+    """Tiles of 16 // G tokens times G heads (G = 1, 3, 5, 8, 16: tiles of 16, 15, 15, 16 and
+    16 rows), and G = 32 (per token), against the reference with a window and a soft-cap."""
+    query_lens, seq_lens = [37, 1, 20], [37, 6, 50]
+    q, cache, meta, scale = _case(query_lens, seq_lens, 16, 64, dtype, num_heads=heads,
+                                  num_kv_heads=kv_heads, seed=heads + window)
+    q = q * 3   # scores large enough for the soft-cap to matter
+    expected = paged_attention(q, cache, meta, scale, sliding_window=window,
+                               logit_softcap=softcap)
+    got = native(q, cache, meta, scale, sliding_window=window, logit_softcap=softcap)
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2)])
+def test_a_row_does_not_depend_on_its_tile(native: NativePrefill, heads: int, kv_heads: int,
+                                           dtype: torch.dtype) -> None:
+    """A prompt of 45 tokens prefilled at once, and as chunks of 5 + 29 + 11 after the K/V of
+    the earlier chunks (a prefix-cache hit or a chunked prefill: every tile boundary moves),
+    next to another sequence or alone: each row is the same to the bit."""
+    gen = torch.Generator().manual_seed(7)
+    meta, num_blocks = make_attention_metadata([45, 30], [45, 30], 16, 0, "cpu", gen)
+    cache = torch.randn((2, num_blocks, kv_heads, 16, 64), generator=gen).to(dtype)
+    q = torch.randn((75, heads * 64), generator=gen).to(dtype)
+    whole = native(q, cache, meta, 0.125)
+    start = 0
+    for end in (5, 34, 45):
+        part = dataclasses.replace(
+            meta, num_prefills=1, num_prefill_tokens=end - start,
+            slot_mapping=meta.slot_mapping[start:end], block_tables=meta.block_tables[:1],
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            query_lens_host=[end - start], seq_lens_host=[end], max_query_len=end - start,
+            max_seq_len=end)
+        assert torch.equal(native(q[start:end], cache, part, 0.125), whole[start:end])
+        start = end
 
 
 def test_the_step_after_the_decodes_is_its_prefill_part(native: NativePrefill) -> None:

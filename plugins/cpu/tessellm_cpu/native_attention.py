@@ -4,7 +4,8 @@ any cached context).
 
 Both read K/V in place through the block tables: no gather copy, no padding, float32 math.
 They support float32 and bfloat16 caches on the CPU, and the reference's sliding_window and
-logit_softcap (a window's first block is read from its first key on; tanhf per score).
+logit_softcap (a window's first block is read from its first key on; tanhf per score in the
+decode, a 16-lane tanh from the vector exp in the prefill's tiles).
 The C side checks every index it reads with (sequence lengths against the table width, block
 ids against the pool, heads against KV heads, the prefill's query offsets against the rows of
 q and the sequence lengths) and returns a code per problem, raised here as a ValueError naming

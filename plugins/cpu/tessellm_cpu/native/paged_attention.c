@@ -65,6 +65,7 @@ INLINE uint16_t f32_to_bf16(float f) {
 }
 
 #include "decode_rows.h"
+#include "prefill_tiles.h"
 
 /* Return codes of paged_decode_*; on an error info[0] is the sequence and info[1] the
  * block-table column (or the blocks needed, for PD_ERR_TABLE_WIDTH) concerned, -1 if none. */
@@ -502,12 +503,15 @@ static int check_queries(const int32_t *qsl, const int32_t *seq_lens, int64_t B,
 
 /* Paged-attention prefill: every query token of every sequence, causal. A query at position p
  * (its sequence's cached context plus its index among the query tokens) attends to keys
- * 0 .. p, which is the decode of one token over a sequence of length p + 1: each token is a
- * work item run by the decode's arithmetic (DEC##_item_d) over its sequence's blocks, read in
- * place, and normalized as soon as it is done. Tokens go to the threads 8 at a time in order,
- * so a thread's tokens share their sequence's K/V (kept in its L2). Inputs are checked first
- * as the decode's (check_inputs) plus query_start_loc (check_queries); scratch for every
- * thread is taken before the parallel region. */
+ * 0 .. p. With AVX-512 and G = H / NKV <= 16 query heads per KV head, the work items are
+ * tiles (prefill_tiles.h): up to 16 query rows of one sequence and KV head, each a lane, so a
+ * tile reads each K/V run once for all its rows; the tiles of a sequence go to the threads in
+ * order, so its K/V stays in their L2. Otherwise each token is a work item run by the decode's
+ * arithmetic (DEC##_item_d) over its sequence's blocks, read in place, and normalized as soon
+ * as it is done; tokens go to the threads 8 at a time in order. Either way a row's result
+ * does not depend on which other rows share its step. Inputs are checked first as the
+ * decode's (check_inputs) plus query_start_loc (check_queries); scratch for every thread is
+ * taken before the parallel region. */
 typedef struct {
     const void *q, *kv;
     const int32_t *block_tables;
@@ -523,14 +527,27 @@ typedef struct {
     float softcap;    /* logit soft-cap, 0: none */
 } PrefillArgs;
 
-/* Scratch: the decode's per-thread part, each thread's partials of its token (NKV of them),
- * then each query token's sequence (int32). */
+/* Whether the prefill runs in tiles: AVX-512 and at most 16 query heads per KV head. */
+static int prefill_tiled(int64_t H, int64_t NKV) { return VEC_QK && H / NKV <= TILE_LANES; }
+
+/* Scratch in tiles: each thread's tile scratch (tile_scratch_floats), then each tile's
+ * sequence and first query row (int32 pairs; at most NT tiles). Per token: the decode's
+ * per-thread part, each thread's partials of its token (NKV of them), then each query
+ * token's sequence (int32). */
 int64_t paged_prefill_scratch(const PrefillArgs *a) {
     if (a->H <= 0 || a->NKV <= 0 || a->D <= 0 || a->BS <= 0 || a->NT < 0) return 64;
     const int64_t G = a->H / a->NKV;
+    size_t total;
+    if (prefill_tiled(a->H, a->NKV)) {
+        if (__builtin_mul_overflow(tile_scratch_floats(a->D), (size_t)a->threads, &total) ||
+            __builtin_mul_overflow(total, sizeof(float), &total) ||
+            __builtin_add_overflow(total, 2 * sizeof(int32_t) * (size_t)a->NT + 64, &total) ||
+            total > (size_t)INT64_MAX)
+            return -1;
+        return (int64_t)total;
+    }
     const size_t per = per_thread_floats(G, a->BS, a->H, a->D);
     const size_t parts = parts_floats(G, a->D, a->NKV);
-    size_t total;
     if (!per || !parts || __builtin_add_overflow(per, parts, &total) ||
         __builtin_mul_overflow(total, (size_t)a->threads, &total) ||
         __builtin_mul_overflow(total, sizeof(float), &total) ||
@@ -539,6 +556,163 @@ int64_t paged_prefill_scratch(const PrefillArgs *a) {
         return -1;
     return (int64_t)total;
 }
+
+#if VEC_QK
+/* One tile: query rows t0 .. t0 + ntok - 1 (of sequence b) times the G heads of KV head kvh,
+ * lane l = token l / G, head kvh * G + l % G. LOAD16 widens 16 stored values to float32, STORE16 stores
+ * them back; DP: the
+ * scores are bfloat16 dot products (T is bfloat16 and D even). */
+#define DEFINE_PREFILL_TILE(NAME, T, LOAD16, STORE16, DP)                                           \
+INLINE void NAME##_tile_d(const PrefillArgs *a, const T *q, const T *kv, const T *vbase,      \
+                          T *out, int64_t b, int64_t t0, int64_t ntok, int64_t kvh, float *scr, \
+                          const int64_t D) {                                                   \
+    const int64_t H = a->H, NKV = a->NKV, BS = a->BS, G = H / NKV;                             \
+    const int32_t *table = a->block_tables + b * a->bt_stride;                                 \
+    const int64_t first = a->query_start_loc[b];                                               \
+    const int64_t pos0 = a->seq_lens[b] - (a->query_start_loc[b + 1] - first) + (t0 - first); \
+    const int64_t lanes = ntok * G;                                                            \
+    const int dp = (DP) && D % 2 == 0;                                                         \
+    float *qt = scr, *o = qt + D * TILE_LANES, *kf = o + D * TILE_LANES, *vf = kf + 16 * D;    \
+    int32_t lane_pos[TILE_LANES], lane_lo[TILE_LANES];                                         \
+    for (int64_t l = 0; l < TILE_LANES; ++l) {   /* idle lanes repeat the last row */          \
+        const int64_t p = pos0 + (l < lanes ? l / G : ntok - 1);                               \
+        lane_pos[l] = (int32_t)p;                                                              \
+        lane_lo[l] = (int32_t)(a->window > 0 && p + 1 > a->window ? p + 1 - a->window : 0);    \
+    }                                                                                          \
+    const __m512i pos = _mm512_loadu_si512(lane_pos), lo = _mm512_loadu_si512(lane_lo);         \
+    if (dp) {   /* q's pairs as stored, transposed: qt[c * 16 + l] = pair c of lane l */        \
+        const uint32_t *row[TILE_LANES];                                                       \
+        for (int64_t l = 0; l < TILE_LANES; ++l)                                               \
+            row[l] = l < lanes ? (const uint32_t *)(q + (t0 + l / G) * H * D + (kvh * G + l % G) * D) \
+                               : NULL;                                                         \
+        TILE_TRANSPOSE_ROWS((float *)qt, row, D / 2, load16_words);                            \
+    } else {    /* q widened, transposed, then scaled */                                       \
+        const T *row[TILE_LANES];                                                              \
+        for (int64_t l = 0; l < TILE_LANES; ++l)                                               \
+            row[l] = l < lanes ? q + (t0 + l / G) * H * D + (kvh * G + l % G) * D : NULL;      \
+        TILE_TRANSPOSE_ROWS(qt, row, D, LOAD16);                                               \
+        const __m512 vs = _mm512_set1_ps(a->scale);                                            \
+        for (int64_t d = 0; d < D; ++d)                                                        \
+            _mm512_storeu_ps(qt + d * TILE_LANES, _mm512_mul_ps(_mm512_loadu_ps(qt + d * TILE_LANES), vs)); \
+    }                                                                                          \
+    memset(o, 0, sizeof(float) * (size_t)(D * TILE_LANES));                                    \
+    TileState st = {_mm512_set1_ps(-INFINITY), _mm512_setzero_ps()};                          \
+    const int64_t kbeg = lane_lo[0], kend = lane_pos[TILE_LANES - 1] + 1;                      \
+    __m512 s[16];                                                                              \
+    for (int64_t blk = kbeg / BS; blk * BS < kend; ++blk) {                                    \
+        const int64_t id = table[blk];                                                         \
+        const T *kb = kv + (id * NKV + kvh) * BS * D, *vb = vbase + (id * NKV + kvh) * BS * D; \
+        for (int64_t r0 = 0; r0 < BS && blk * BS + r0 < kend; r0 += 16) {                      \
+            const int64_t k0 = blk * BS + r0;                                                  \
+            int64_t nk = BS - r0 < 16 ? BS - r0 : 16;                                          \
+            if (kend - k0 < nk) nk = kend - k0;                                                \
+            if (k0 + nk <= kbeg) continue;                                                     \
+            const T *kr = kb + r0 * D, *vr = vb + r0 * D;                                      \
+            if (dp) {                                                                          \
+                const uint16_t *k16 = (const uint16_t *)kr;                                    \
+                if (nk < 16) {   /* zero rows past the run */                                  \
+                    uint16_t *pad = (uint16_t *)kf;                                            \
+                    memcpy(pad, kr, sizeof(T) * (size_t)(nk * D));                             \
+                    memset(pad + nk * D, 0, sizeof(T) * (size_t)((16 - nk) * D));              \
+                    k16 = pad;                                                                 \
+                }                                                                              \
+                NAME##_scores_dp((const uint32_t *)qt, k16, D, s);                            \
+                for (int j = 0; j < 16; ++j) s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(a->scale)); \
+            } else {                                                                           \
+                const float *k32 = NAME##_rows_f32(kr, nk, D, kf);                             \
+                tile_scores_f32(qt, k32, D, s);                                                \
+            }                                                                                  \
+            if (a->softcap > 0.f)                                                              \
+                for (int j = 0; j < 16; ++j) s[j] = softcap16(s[j], a->softcap);               \
+            tile_fold(&st, s, NAME##_rows_f32(vr, nk, D, vf), D, nk, k0, pos, lo, o);          \
+        }                                                                                      \
+    }                                                                                          \
+    tile_normalize(o, st.l, D, kf);   /* the rows, as float32, into the K scratch */           \
+    for (int64_t l = 0; l < lanes; ++l) {                                                      \
+        T *dst = out + (t0 + l / G) * H * D + (kvh * G + l % G) * D;                           \
+        for (int64_t d = 0; d < D; d += 16)                                                    \
+            STORE16(dst + d, (__mmask16)(D - d >= 16 ? 0xffffu : (1u << (D - d)) - 1u),       \
+                    _mm512_loadu_ps(kf + l * D + d));                                          \
+    }                                                                                          \
+}                                                                                              \
+                                                                                               \
+/* One tile, with head sizes 64 and 128 compiled as constants (rows at fixed offsets). */    \
+static void NAME##_tile(const PrefillArgs *a, const T *q, const T *kv, const T *vbase, T *out, \
+                        int64_t b, int64_t t0, int64_t ntok, int64_t kvh, float *scr) {       \
+    if (a->D == 64) NAME##_tile_d(a, q, kv, vbase, out, b, t0, ntok, kvh, scr, 64);            \
+    else if (a->D == 128) NAME##_tile_d(a, q, kv, vbase, out, b, t0, ntok, kvh, scr, 128);     \
+    else NAME##_tile_d(a, q, kv, vbase, out, b, t0, ntok, kvh, scr, a->D);                     \
+}                                                                                              \
+                                                                                               \
+/* Every thread of the team: list the tiles (one thread), then take (tile, KV head) items in  \
+ * order, one at a time. */                                                                    \
+static int NAME##_tiled(const PrefillArgs *a, int tid) {                                       \
+    const int64_t NKV = a->NKV, TT = TILE_TOKENS(a->H / NKV);                                  \
+    const size_t per_thread = tile_scratch_floats(a->D);                                       \
+    int64_t *count = (int64_t *)a->scratch;                                                    \
+    float *base = (float *)((char *)a->scratch + 64);                                          \
+    int32_t *tiles = (int32_t *)(base + per_thread * (size_t)a->threads);                      \
+    const int32_t *qsl = a->query_start_loc;                                                   \
+    _Pragma("omp single")                                                                      \
+    {                                                                                          \
+        int64_t n = 0;                                                                         \
+        for (int64_t b = 0; b < a->B; ++b)                                                     \
+            for (int64_t t = qsl[b]; t < qsl[b + 1]; t += TT) {                                \
+                tiles[2 * n] = (int32_t)b;                                                     \
+                tiles[2 * n + 1] = (int32_t)t;                                                 \
+                ++n;                                                                           \
+            }                                                                                  \
+        *count = n;                                                                            \
+    }                                                                                          \
+    const T *q = a->q, *kv = a->kv;                                                            \
+    const T *vbase = kv + a->NB * NKV * a->BS * a->D;                                          \
+    float *scr = base + per_thread * (size_t)tid;                                              \
+    const int64_t items = *count * NKV;                                                        \
+    _Pragma("omp for schedule(dynamic, 1) nowait")                                             \
+    for (int64_t i = 0; i < items; ++i) {                                                      \
+        const int64_t tile = i / NKV, b = tiles[2 * tile], t0 = tiles[2 * tile + 1];           \
+        const int64_t ntok = qsl[b + 1] - t0 < TT ? qsl[b + 1] - t0 : TT;                      \
+        NAME##_tile(a, q, kv, vbase, (T *)a->out, b, t0, ntok, i % NKV, scr);                  \
+    }                                                                                          \
+    return PD_OK;                                                                              \
+}
+
+/* 16 float32 rows of D from nk stored rows (the rest zero): src itself when it is float32 and
+ * nk is 16, else widened or copied into buf. */
+INLINE const float *paged_prefill_f32_rows_f32(const float *src, int64_t nk, int64_t D,
+                                               float *buf) {
+    if (nk == 16) return src;
+    memcpy(buf, src, sizeof(float) * (size_t)(nk * D));
+    memset(buf + nk * D, 0, sizeof(float) * (size_t)((16 - nk) * D));
+    return buf;
+}
+INLINE const float *paged_prefill_bf16_rows_f32(const uint16_t *src, int64_t nk, int64_t D,
+                                                float *buf) {
+    for (int64_t i = 0; i < nk * D; ++i) buf[i] = bf16_to_f32(src[i]);
+    memset(buf + nk * D, 0, sizeof(float) * (size_t)((16 - nk) * D));
+    return buf;
+}
+INLINE void paged_prefill_f32_scores_dp(const uint32_t *qp, const uint16_t *k, int64_t D,
+                                        __m512 s[16]) {
+    (void)qp; (void)k; (void)D; (void)s;   /* float32 caches take the FMA path */
+}
+#if DP_BF16
+#define paged_prefill_bf16_scores_dp tile_scores_dpbf16
+#else
+#define paged_prefill_bf16_scores_dp paged_prefill_f32_scores_dp
+#endif
+DEFINE_PREFILL_TILE(paged_prefill_f32, float, load16_f32, store16_f32, 0)
+DEFINE_PREFILL_TILE(paged_prefill_bf16, uint16_t, load16_bf16, store16_bf16, DP_BF16)
+#else   /* no tiles without AVX-512 (prefill_tiled is false): never called */
+static int paged_prefill_f32_tiled(const PrefillArgs *a, int tid) {
+    (void)a; (void)tid;
+    return PD_ERR_SHAPE;
+}
+static int paged_prefill_bf16_tiled(const PrefillArgs *a, int tid) {
+    (void)a; (void)tid;
+    return PD_ERR_SHAPE;
+}
+#endif
 
 #define DEFINE_PREFILL(NAME, DEC, T, STORE)                                                    \
 int NAME##_team(const PrefillArgs *a) {                                                        \
@@ -554,6 +728,7 @@ int NAME##_team(const PrefillArgs *a) {                                         
     if (tid == 0 && a->info) { a->info[0] = info[0]; a->info[1] = info[1]; }                  \
     if (rc != PD_OK || NT == 0) return rc;                                                     \
     if (omp_get_num_threads() > a->threads) return PD_ERR_ALLOC;                               \
+    if (prefill_tiled(H, NKV)) return NAME##_tiled(a, tid);                                    \
     const int64_t G = H / NKV;                                                                 \
     const T *q = a->q, *kv = a->kv;                                                            \
     T *out = a->out;                                                                           \
