@@ -559,9 +559,8 @@ int64_t paged_prefill_scratch(const PrefillArgs *a) {
 
 #if VEC_QK
 /* One tile: query rows t0 .. t0 + ntok - 1 (of sequence b) times the G heads of KV head kvh,
- * lane l = token l / G, head kvh * G + l % G. LOAD16 widens 16 stored values to float32, STORE16 stores
- * them back; DP: the
- * scores are bfloat16 dot products (T is bfloat16 and D even). */
+ * lane l = token l / G, head kvh * G + l % G. LOAD16 widens 16 stored values to float32,
+ * STORE16 stores 16 back; DP: the scores are bfloat16 dot products (T is bfloat16, D even). */
 #define DEFINE_PREFILL_TILE(NAME, T, LOAD16, STORE16, DP)                                           \
 INLINE void NAME##_tile_d(const PrefillArgs *a, const T *q, const T *kv, const T *vbase,      \
                           T *out, int64_t b, int64_t t0, int64_t ntok, int64_t kvh, float *scr, \
@@ -609,13 +608,8 @@ INLINE void NAME##_tile_d(const PrefillArgs *a, const T *q, const T *kv, const T
             if (k0 + nk <= kbeg) continue;                                                     \
             const T *kr = kb + r0 * D, *vr = vb + r0 * D;                                      \
             if (dp) {                                                                          \
-                const uint16_t *k16 = (const uint16_t *)kr;                                    \
-                if (nk < 16) {   /* zero rows past the run */                                  \
-                    uint16_t *pad = (uint16_t *)kf;                                            \
-                    memcpy(pad, kr, sizeof(T) * (size_t)(nk * D));                             \
-                    memset(pad + nk * D, 0, sizeof(T) * (size_t)((16 - nk) * D));              \
-                    k16 = pad;                                                                 \
-                }                                                                              \
+                const uint16_t *k16 = nk == 16 ? (const uint16_t *)kr                          \
+                                               : pad_rows16(kr, nk, sizeof(T) * (size_t)D, kf); \
                 NAME##_scores_dp((const uint32_t *)qt, k16, D, s);                            \
                 for (int j = 0; j < 16; ++j) s[j] = _mm512_mul_ps(s[j], _mm512_set1_ps(a->scale)); \
             } else {                                                                           \
@@ -681,10 +675,7 @@ static int NAME##_tiled(const PrefillArgs *a, int tid) {                        
  * nk is 16, else widened or copied into buf. */
 INLINE const float *paged_prefill_f32_rows_f32(const float *src, int64_t nk, int64_t D,
                                                float *buf) {
-    if (nk == 16) return src;
-    memcpy(buf, src, sizeof(float) * (size_t)(nk * D));
-    memset(buf + nk * D, 0, sizeof(float) * (size_t)((16 - nk) * D));
-    return buf;
+    return nk == 16 ? src : pad_rows16(src, nk, sizeof(float) * (size_t)D, buf);
 }
 INLINE const float *paged_prefill_bf16_rows_f32(const uint16_t *src, int64_t nk, int64_t D,
                                                 float *buf) {

@@ -99,8 +99,8 @@ INLINE __m512 softcap16(__m512 s, float cap) {
                          _mm512_set1_ps(cap));
 }
 
-/* The online-softmax state of a tile's 16 lanes: running max m, sum of exp l, and the
- * output accumulators o (D x 16, in scratch). */
+/* The online-softmax state of a tile's 16 lanes: running max m and sum of exp l (the output
+ * accumulators o, D x 16, live in the thread's scratch). */
 typedef struct {
     __m512 m, l;
 } TileState;
@@ -177,6 +177,14 @@ INLINE void store16_bf16(uint16_t *p, __mmask16 k, __m512 v) {
     _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(r));
 }
 
+/* buf = the nk rows of row_bytes at src, then zero rows up to 16 (a run shorter than 16 keys
+ * read as a whole one); returns buf. */
+INLINE void *pad_rows16(const void *src, int64_t nk, size_t row_bytes, void *buf) {
+    memcpy(buf, src, row_bytes * (size_t)nk);
+    memset((char *)buf + row_bytes * (size_t)nk, 0, row_bytes * (size_t)(16 - nk));
+    return buf;
+}
+
 INLINE __m512 load16_words(const uint32_t *p, __mmask16 k) {
     return _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(k, p));
 }
@@ -186,9 +194,8 @@ INLINE __m512 load16_bf16(const uint16_t *p, __mmask16 k) {
         _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-/* o (D x 16, lanes = rows) divided by each lane's l (0 where l is 0), as rows: out_l[d] for
- * d < D, written through store(lane, d0, 16 values) 16 features at a time (D % 16 == 0), or
- * one value at a time otherwise. */
+/* rows[l * D + d] = o[d * 16 + l] / l_l (0 where l_l is 0) for every lane l and d < D: o's
+ * columns as float32 rows, transposed 16 features at a time (the rest one at a time). */
 INLINE void tile_normalize(const float *o, __m512 l, int64_t D, float *rows) {
     const __mmask16 pos = _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ);
     const __m512 inv = _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.f), l);
